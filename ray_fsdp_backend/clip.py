@@ -1,0 +1,140 @@
+"""The one gradient-norm clipping every strategy uses.
+
+One global L2 norm over every gradient, whatever holds it: DTensors on any
+mesh (FSDP2 shards, HSDP shards) and plain tensors (DDP, unsharded
+parameters), then one clip coefficient for all of them. The seed clipped
+DTensor and plain gradients separately, each to ``max_norm``, which let the
+total reach ``sqrt(2) * max_norm``; ``torch.nn.utils.clip_grad_norm_`` cannot
+mix DTensors from different meshes with plain tensors at all.
+
+How the norm is reduced: a DTensor gradient contributes the squared norm of
+its local shard, summed over the mesh axes on which it is ``Shard``-ed (not
+over ``Replicate`` axes, where every rank holds the same values). Gradients
+are bucketed by (mesh, sharded axes) so the number of collectives is the
+number of such buckets (one for a plain FSDP model), never the number of
+tensors. Plain gradients are taken as replicated: DDP has already
+all-reduced them, so every rank holds the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """What one clipping call saw and did."""
+
+    total_norm: torch.Tensor
+    """Global L2 norm before clipping: a plain 0-d float32 tensor, equal on
+    every rank."""
+    clip_coef: float
+    """The factor every gradient was multiplied by (1.0: not clipped)."""
+    finite: bool
+    """False when the norm was inf/NaN: gradients were then left unscaled."""
+    num_tensors: int
+    num_collectives: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "total_norm": float(self.total_norm),
+            "clip_coef": self.clip_coef,
+            "finite": float(self.finite),
+            "num_tensors": float(self.num_tensors),
+            "num_collectives": float(self.num_collectives),
+        }
+
+
+def unique_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients of ``parameters``, each once (tied weights appear twice)."""
+    seen: set[int] = set()
+    grads = []
+    for p in parameters:
+        if p.grad is not None and id(p) not in seen:
+            seen.add(id(p))
+            grads.append(p.grad)
+    return grads
+
+
+def _norm_input(grad: torch.Tensor) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """(reduction key, tensor whose local norm is summed, local tensor to scale)."""
+    if not isinstance(grad, DTensor):
+        return (None, ()), grad, grad
+    to_scale = grad.to_local()
+    if any(p.is_partial() for p in grad.placements):
+        # A Partial gradient's norm is not the sum of local norms: reduce first.
+        placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+        grad = grad.redistribute(grad.device_mesh, placements)
+    axes = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+    return (grad.device_mesh, axes), grad.to_local(), to_scale
+
+
+def compute_global_sq_norm(grads: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Sum of squares of all ``grads`` across all ranks, and collectives issued.
+
+    Every rank must call this with gradients of the same parameters (in any
+    order), so that all ranks issue the same collectives.
+    """
+    return _global_sq_norm([_norm_input(g) for g in grads])
+
+
+def _global_sq_norm(entries: list[tuple]) -> tuple[torch.Tensor, int]:
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for key, local, _ in entries:
+        buckets.setdefault(key, []).append(local)
+    device = entries[0][1].device if entries else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    collectives = 0
+    # Sorted so that every rank reduces buckets in the same order.
+    for (mesh, axes), tensors in sorted(buckets.items(), key=_bucket_order):
+        norms = torch._foreach_norm(tensors, 2.0)
+        sq = torch.stack([n.float().to(device) for n in norms]).pow(2).sum()
+        if mesh is not None:
+            sq = sq.to(tensors[0].device)
+            for axis in axes:
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
+                collectives += 1
+        total = total + sq.to(device)
+    return total, collectives
+
+
+def _bucket_order(item) -> tuple:
+    (mesh, axes), _ = item
+    if mesh is None:
+        return (0, (), ())
+    return (1, tuple(mesh.mesh.flatten().tolist()), axes)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, *, eps: float = 1e-6
+) -> ClipStats:
+    """Scale all gradients in place so that their global L2 norm is at most
+    ``max_norm``.
+
+    A non-finite norm leaves every gradient as it is (the caller decides
+    whether to skip the step) and is reported in ``ClipStats.finite``.
+
+    Raises:
+        ValueError: ``max_norm`` is not a positive finite number.
+    """
+    if not (max_norm > 0 and max_norm != float("inf")):
+        raise ValueError(f"max_norm={max_norm!r} must be a positive finite number")
+    entries = [_norm_input(g) for g in unique_grads(parameters)]
+    sq, collectives = _global_sq_norm(entries)
+    total = sq.sqrt()
+    finite = bool(torch.isfinite(total))
+    coef = min(1.0, max_norm / (float(total) + eps)) if finite else 1.0
+    if coef < 1.0:
+        torch._foreach_mul_([to_scale for _, _, to_scale in entries], coef)
+    return ClipStats(
+        total_norm=total.detach(),
+        clip_coef=coef,
+        finite=finite,
+        num_tensors=len(entries),
+        num_collectives=collectives,
+    )

@@ -1,0 +1,281 @@
+"""``FSDPConfig``: the one typed, validated configuration of the backend.
+
+It is a ``ray.train.torch.TorchConfig`` (so ``TorchTrainer(torch_config=cfg)``
+and Train V2's ``DataParallelTrainer(backend_config=cfg)`` accept it) whose
+fields are the seed strategy's config keys plus the backend's own. Every field
+is checked when the object is built, in the driver, before any worker exists;
+checks that need the cluster layout run first thing in ``Backend.on_start``
+(see :mod:`ray_fsdp_backend.topology`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.train.torch import TorchConfig
+
+
+class ShardingStrategy(str, enum.Enum):
+    """The seed's ``fsdp_sharding_strategy`` values, resolved once here."""
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+    HYBRID_SHARD = "hybrid_shard"
+    HYBRID_SHARD_ZERO2 = "_hybrid_shard_zero2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the mesh is 2-D: replicate across nodes, shard inside one."""
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """ZeRO-2 modes keep parameters unsharded between forward and backward."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+# Spellings accepted for a strategy, besides its canonical value.
+_STRATEGY_ALIASES = {"hybrid_shard_zero2": ShardingStrategy.HYBRID_SHARD_ZERO2}
+_REDUCE_DTYPES = ("bf16", "fp32")
+_INIT_METHODS = ("env", "tcp")
+_BACKENDS = ("nccl", "gloo", "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl")
+
+
+@dataclass
+class FSDPConfig(TorchConfig):
+    """How the backend distributes a model over the Ray Train worker group.
+
+    ``backend``, ``init_method`` and ``timeout_s`` are ``TorchConfig``'s own
+    fields (Ray's trainer assigns ``backend`` on the object, so it stays a
+    plain field). Construction validates every field and raises ``ValueError``
+    naming the field, the value and what is allowed.
+    """
+
+    backend: str | None = None
+    """Process-group backend. None picks NCCL when workers have GPUs (with a
+    gloo CPU backend beside it when ``fsdp_cpu_offload`` is on) and gloo
+    otherwise."""
+
+    init_method: str = "env"
+    """How ranks rendezvous: ``env`` (MASTER_ADDR/MASTER_PORT) or ``tcp``."""
+
+    timeout_s: int = 1800
+    """Seconds a collective may block before the process group fails it. A rank
+    that hangs makes the run fail (and restart under ``FailureConfig``) after
+    this long instead of hanging forever."""
+
+    use_fsdp: bool = False
+    """Shard the model with FSDP2 (True) or replicate it with DDP (False)."""
+
+    fsdp_sharding_strategy: str = ShardingStrategy.FULL_SHARD.value
+    """``full_shard`` and ``shard_grad_op`` shard over all ranks (1-D mesh);
+    ``hybrid_shard`` and ``_hybrid_shard_zero2`` (also spelled
+    ``hybrid_shard_zero2``) shard inside a node and replicate across nodes
+    (2-D mesh). The ``shard_grad_op`` modes keep parameters unsharded between
+    forward and backward (ZeRO-2)."""
+
+    fsdp_hsdp_replicate_size: int | None = None
+    """HSDP replicate-axis size. None: one replica per node, i.e. shard inside
+    each node and replicate across nodes. Only valid with a hybrid strategy."""
+
+    fsdp_cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in pinned CPU
+    memory (``CPUOffloadPolicy``). Needs GPU workers; CPU workers have nothing
+    to offload and train without it."""
+
+    use_mixed_precision: bool = True
+    """Compute in ``bf16`` (or fp16) with fp32 master weights; False trains in
+    full fp32."""
+
+    bf16: bool = True
+    """With mixed precision: compute dtype bfloat16 (True) or float16 (False)."""
+
+    fsdp_reduce_dtype: str = "bf16"
+    """Dtype of FSDP gradient reduction under mixed precision: ``fp32``, or
+    ``bf16`` meaning the compute dtype (the seed's semantics)."""
+
+    use_gradient_checkpointing: bool = False
+    """Recompute activations in backward: the model's own
+    ``gradient_checkpointing_enable()`` when it has one, otherwise activation
+    checkpointing on each sharded block."""
+
+    find_unused_parameters: bool = False
+    """DDP only: allow parameters that get no gradient in a step."""
+
+    broadcast_buffers: bool = True
+    """DDP only: broadcast rank 0's buffers at every forward."""
+
+    bucket_cap_mb: float = 25
+    """DDP only: gradient all-reduce bucket size in MiB."""
+
+    use_dmuon: bool = False
+    """Train with the distributed Muon runtime (:mod:`ray_fsdp_backend.dmuon`).
+    Needs ``use_fsdp``."""
+
+    fsdp_block_classes: tuple[str, ...] = ()
+    """Class names of the modules sharded as one FSDP unit each (transformer
+    blocks). Empty: every child of every ``nn.ModuleList``. Ignored when the
+    model provides ``convert_to_fsdp``."""
+
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set on every worker before the process group is
+    created, e.g. ``{"NCCL_SOCKET_IFNAME": "eth0"}``. Keys must start with
+    ``NCCL_`` or ``TORCH_NCCL_``."""
+
+    def __post_init__(self) -> None:
+        self.fsdp_sharding_strategy = _resolve_strategy(self.fsdp_sharding_strategy).value
+        self.fsdp_block_classes = tuple(_check_str_list("fsdp_block_classes", self.fsdp_block_classes))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name])
+        _check_values(self)
+
+    # -- public helpers -------------------------------------------------
+
+    @property
+    def backend_cls(self):
+        # Imported here: backend.py imports this module.
+        from ray_fsdp_backend.backend import FSDPBackend
+
+        return FSDPBackend
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """``fsdp_sharding_strategy`` as an enum."""
+        return ShardingStrategy(self.fsdp_sharding_strategy)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> FSDPConfig:
+        """Build from a mapping of field names; an unknown key is an error that
+        suggests the closest valid one."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"distributed config must be a mapping, got {type(values).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            raise ValueError("; ".join(_unknown_key_message(k, known) for k in unknown))
+        return cls(**dict(values))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> FSDPConfig:
+        """Build from the ``distributed:`` section of a training YAML file."""
+        import yaml
+
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        if not isinstance(doc, Mapping) or "distributed" not in doc:
+            raise ValueError(f"{os.fspath(path)}: no 'distributed:' section")
+        return cls.from_dict(doc["distributed"] or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as ``from_dict`` accepts it back."""
+        out = dataclasses.asdict(self)
+        out["fsdp_block_classes"] = list(self.fsdp_block_classes)
+        return out
+
+
+# -- validation ---------------------------------------------------------
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "backend": (str, type(None)),
+    "init_method": (str,),
+    "timeout_s": (int,),
+    "use_fsdp": (bool,),
+    "fsdp_sharding_strategy": (str,),
+    "fsdp_hsdp_replicate_size": (int, type(None)),
+    "fsdp_cpu_offload": (bool,),
+    "use_mixed_precision": (bool,),
+    "bf16": (bool,),
+    "fsdp_reduce_dtype": (str,),
+    "use_gradient_checkpointing": (bool,),
+    "find_unused_parameters": (bool,),
+    "broadcast_buffers": (bool,),
+    "bucket_cap_mb": (int, float),
+    "use_dmuon": (bool,),
+    "fsdp_block_classes": (tuple,),
+    "nccl_env": (dict,),
+}
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("None" if t is type(None) else t.__name__ for t in types)
+
+
+def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
+    # bool is an int subclass: `timeout_s: true` is a typo, not 1 second.
+    is_bool_for_number = isinstance(value, bool) and bool not in types
+    if is_bool_for_number or not isinstance(value, types):
+        raise ValueError(
+            f"{name}={value!r} has type {type(value).__name__}; expected {_type_names(types)}"
+        )
+
+
+def _check_one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _check_str_list(name: str, value: Any) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}={value!r} must be a list of class names")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"{name}={value!r}: every entry must be a non-empty string")
+    return list(value)
+
+
+def _resolve_strategy(value: Any) -> ShardingStrategy:
+    if isinstance(value, ShardingStrategy):
+        return value
+    if isinstance(value, str):
+        if value in _STRATEGY_ALIASES:
+            return _STRATEGY_ALIASES[value]
+        try:
+            return ShardingStrategy(value)
+        except ValueError:
+            pass
+    allowed = ", ".join(s.value for s in ShardingStrategy)
+    raise ValueError(f"fsdp_sharding_strategy={value!r} is not one of {allowed}")
+
+
+def _check_values(cfg: FSDPConfig) -> None:
+    if cfg.backend is not None:
+        _check_one_of("backend", cfg.backend, _BACKENDS)
+    _check_one_of("init_method", cfg.init_method, _INIT_METHODS)
+    _check_one_of("fsdp_reduce_dtype", cfg.fsdp_reduce_dtype, _REDUCE_DTYPES)
+    if cfg.timeout_s <= 0:
+        raise ValueError(f"timeout_s={cfg.timeout_s!r} must be a positive number of seconds")
+    if cfg.bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb={cfg.bucket_cap_mb!r} must be positive")
+    if cfg.fsdp_hsdp_replicate_size is not None:
+        if cfg.fsdp_hsdp_replicate_size <= 0:
+            raise ValueError(
+                f"fsdp_hsdp_replicate_size={cfg.fsdp_hsdp_replicate_size!r} must be a positive int"
+            )
+        if not (cfg.use_fsdp and cfg.sharding_strategy.is_hybrid):
+            raise ValueError(
+                f"fsdp_hsdp_replicate_size={cfg.fsdp_hsdp_replicate_size!r} needs use_fsdp=true and "
+                f"fsdp_sharding_strategy hybrid_shard or _hybrid_shard_zero2 "
+                f"(got use_fsdp={cfg.use_fsdp}, "
+                f"fsdp_sharding_strategy={cfg.fsdp_sharding_strategy!r})"
+            )
+    if cfg.fsdp_cpu_offload and not cfg.use_fsdp:
+        raise ValueError("fsdp_cpu_offload=True needs use_fsdp=true: DDP does not offload")
+    if cfg.use_dmuon and not cfg.use_fsdp:
+        raise ValueError("use_dmuon=True needs use_fsdp=true: DMuon runs on FSDP2 shards")
+    for key, value in cfg.nccl_env.items():
+        if not (isinstance(key, str) and key.startswith(("NCCL_", "TORCH_NCCL_"))):
+            raise ValueError(f"nccl_env key {key!r} must start with NCCL_ or TORCH_NCCL_")
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ValueError(f"nccl_env[{key!r}]={value!r} must be a string or int")
+
+
+def _unknown_key_message(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(known)}"
+    return f"unknown distributed config key {key!r}{hint}"
