@@ -1,0 +1,169 @@
+"""Byte-level text data, sharded across data-parallel ranks in a resumable order.
+
+Tokens are the bytes of a UTF-8 text (vocabulary 256, nothing to download).
+The corpus is cut into windows of ``seq_len + 1`` bytes; the *global* order in
+which windows are read is fixed by the seed alone, epoch after epoch, and a
+run remembers only one integer: ``position``, the number of windows the whole
+job has consumed. Every micro-step the job reads ``micro_batch_size * dp_size``
+windows and rank ``r`` takes the ``r``-th block of ``micro_batch_size`` of
+them. Hence:
+
+- ranks never read the same window within a global batch;
+- resuming from a checkpoint (``position``) continues with exactly the
+  batches the interrupted run would have read next;
+- changing the number of workers while keeping the global batch size keeps
+  the global order; only the per-rank slices change.
+
+For datasets too large for one file, :func:`pack_text_rows` cuts a Ray Data
+text dataset into the same fixed-length byte rows, which each worker reads
+from ``ray.train.get_dataset_shard("train")``; that stream follows Ray Data's
+order and restarts from the beginning of the dataset on resume.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from importlib import resources
+
+import numpy as np
+import torch
+
+SHIPPED_CORPUS = "tiny_corpus.txt"
+
+
+def load_corpus(path: str | os.PathLike | None = None) -> torch.Tensor:
+    """The bytes of a text file as int64 tokens; ``None`` is the shipped corpus."""
+    if path is None:
+        data = resources.files(__package__).joinpath(SHIPPED_CORPUS).read_bytes()
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def split_corpus(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``1 - val_fraction`` of the tokens for training, the rest for validation."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction={val_fraction!r} must be in [0, 1)")
+    cut = int(len(tokens) * (1.0 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def encode(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def decode(tokens: Iterable[int]) -> str:
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+class WindowOrder:
+    """PURE map from a global sample index to a window start offset.
+
+    Epoch ``e`` visits every window once, in a permutation drawn from
+    ``seed`` and ``e``, with all windows shifted by a per-epoch offset so
+    successive epochs see different cut points.
+    """
+
+    def __init__(self, num_tokens: int, seq_len: int, seed: int) -> None:
+        self.seq_len, self.seed = seq_len, seed
+        # Keep room for the shift (< seq_len) and the extra target byte.
+        self.num_windows = (num_tokens - 1 - seq_len) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(
+                f"corpus of {num_tokens} tokens is too short for seq_len={seq_len}: "
+                f"need at least {2 * seq_len + 2}"
+            )
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def start(self, sample: int) -> int:
+        epoch, index = divmod(sample, self.num_windows)
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.num_windows, generator=gen)
+        shift = (epoch * 7919) % self.seq_len
+        return int(self._perm[index]) * self.seq_len + shift
+
+
+def compute_rank_samples(position: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> range:
+    """PURE: the global sample indices rank ``dp_rank`` reads at ``position``."""
+    first = position + dp_rank * micro_batch_size
+    return range(first, first + micro_batch_size)
+
+
+class ShardedBatches:
+    """One rank's stream of ``(inputs, targets)`` micro-batches, shape ``(B, seq_len)``.
+
+    Args:
+        tokens: the training tokens (every rank passes the same tensor).
+        seq_len: tokens per row.
+        micro_batch_size: rows per rank per micro-step.
+        dp_rank, dp_size: this rank's data-parallel coordinates.
+        seed: fixes the global order.
+        position: global samples already consumed (from a checkpoint).
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int = 0,
+        position: int = 0,
+    ) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.order = WindowOrder(len(tokens), seq_len, seed)
+        self.position = position
+
+    @property
+    def global_batch_rows(self) -> int:
+        return self.micro_batch_size * self.dp_size
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the next global micro-batch; advances ``position``."""
+        samples = compute_rank_samples(
+            self.position, self.micro_batch_size, self.dp_rank, self.dp_size
+        )
+        rows = [self._window(self.order.start(s)) for s in samples]
+        self.position += self.global_batch_rows
+        return split_rows(torch.stack(rows))
+
+    def _window(self, start: int) -> torch.Tensor:
+        return self.tokens[start : start + self.seq_len + 1]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def pack_text_rows(batch: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+    """Ray Data ``map_batches`` function: text rows in, fixed-length byte rows out.
+
+    The texts of one batch are joined with newlines and cut into rows of
+    ``seq_len + 1`` tokens (inputs plus the shifted target); the partial tail
+    is dropped. Fixed-length rows let ``streaming_split(equal=True)`` give every
+    rank the same number of batches, so no rank waits in a collective for one
+    that has run out of data.
+    """
+    data = "\n".join(str(t) for t in batch["text"]).encode("utf-8")
+    row_len = seq_len + 1
+    n = len(data) // row_len
+    rows = np.frombuffer(data[: n * row_len], dtype=np.uint8).reshape(n, row_len)
+    return {"tokens": rows.astype(np.int64)}
+
+
+def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, seq_len + 1)`` token rows to ``(inputs, targets)``."""
+    return rows[:, :-1], rows[:, 1:]

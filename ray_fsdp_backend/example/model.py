@@ -1,0 +1,304 @@
+"""A small Llama-style decoder in plain PyTorch: RMSNorm, rotary attention, SwiGLU.
+
+The example model that ``ray-fsdp train`` trains. It is sized entirely by
+:class:`ModelConfig`, from a few hundred thousand parameters (CPU quick start)
+to about a billion (``ModelConfig.preset("1b")``), and is written so the
+backend can shard it without adapters:
+
+- the transformer blocks sit in one ``nn.ModuleList`` named ``layers``, the
+  backend's default per-block ``fully_shard`` unit;
+- a tied output head *is* the embedding weight (one parameter), so it stays in
+  the root FSDP group together with the embedding;
+- ``init_weights()`` initialises every parameter and recomputes the
+  non-persistent rotary tables, so a model built under ``torch.device("meta")``
+  and materialised with ``to_empty`` is complete.
+
+Build on meta, let the backend wrap and materialise::
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(dim=128, n_layers=4, n_heads=4))
+    model = ctx.wrap(model)          # to_empty + init_weights + fully_shard
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder. Every field is a YAML key under ``model:``."""
+
+    vocab_size: int = 256
+    """Byte-level tokens: 256."""
+
+    dim: int = 128
+    """Width of the residual stream."""
+
+    n_layers: int = 4
+    """Number of transformer blocks."""
+
+    n_heads: int = 4
+    """Attention heads; ``dim`` must be a multiple."""
+
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means ``n_heads``."""
+
+    ffn_hidden: int | None = None
+    """SwiGLU hidden width; None means Llama's ``8/3 * dim`` rounded up to 64."""
+
+    seq_len: int = 128
+    """Longest sequence (length of the rotary tables)."""
+
+    tie_embeddings: bool = True
+    """Share the embedding and output-head weight."""
+
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name}={value!r} must be a positive int")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"model.dim={self.dim} is not a multiple of model.n_heads={self.n_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"model.dim / model.n_heads = {self.head_dim} must be even (rotary)")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not a multiple of "
+                f"model.n_kv_heads={self.n_kv_heads}"
+            )
+        if self.ffn_hidden is not None and self.ffn_hidden <= 0:
+            raise ValueError(f"model.ffn_hidden={self.ffn_hidden!r} must be a positive int")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 64 * math.ceil(8 * self.dim / 3 / 64)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Build from the ``model:`` section; a ``preset`` key starts from a preset."""
+        values = dict(values or {})
+        base = PRESETS[values.pop("preset")] if "preset" in values else {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown model config key(s) {unknown}; valid keys: {', '.join(sorted(known))}"
+            )
+        return cls(**{**base, **values})
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        if name not in PRESETS:
+            raise ValueError(f"model.preset={name!r} is not one of {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # -- parameter counts (pure arithmetic, used by the memory estimate) ----
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block."""
+        d, kv = self.dim, self.kv_heads * self.head_dim
+        attention = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
+        mlp = 3 * d * self.hidden  # w1 (gate), w3 (up), w2 (down)
+        return attention + mlp + 2 * d  # two RMSNorm weights
+
+    def embedding_params(self) -> int:
+        """Embedding, final norm and (untied) head: the root FSDP group."""
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.dim + head
+
+    def num_params(self) -> int:
+        return self.n_layers * self.block_params() + self.embedding_params()
+
+    def matrix_params(self) -> int:
+        """Parameters in the blocks' 2-D weights: those Muon orthogonalises."""
+        return self.n_layers * (self.block_params() - 2 * self.dim)
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (6N plus attention), for throughput figures."""
+        attention = 12 * self.n_layers * self.dim * self.seq_len
+        return 6 * self.num_params() + attention
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(dim=128, n_layers=4, n_heads=4, seq_len=128),
+    "small": dict(dim=512, n_layers=8, n_heads=8, seq_len=512),
+    "350m": dict(dim=1024, n_layers=24, n_heads=16, seq_len=1024),
+    "1b": dict(dim=2048, n_layers=22, n_heads=16, n_kv_heads=8, seq_len=2048),
+}
+"""Named sizes for ``model.preset``; explicit ``model:`` keys override them."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the compute dtype: bf16 loses the mean square.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def compute_rotary_tables(
+    head_dim: int, seq_len: int, theta: float, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape ``(seq_len, head_dim // 2)``."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` (batch, heads, seq, head_dim)."""
+    seq = x.shape[-2]
+    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: the unit that FSDP shards and checkpointing recomputes."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: ``forward(tokens) -> logits``, ``loss(tokens, targets)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived from the config, not learned: non-persistent, so checkpoints
+        # skip them and init_weights() must rebuild them after to_empty().
+        cos, sin = compute_rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter and recompute the rotary tables in place.
+
+        Safe to call on a model materialised from meta with ``to_empty`` and
+        on an FSDP-sharded model (DTensor parameters are filled shard-wise).
+        Residual output projections get the GPT-2 ``1/sqrt(2 * n_layers)`` scale.
+        """
+        device = buffer_device or self.rope_cos.device
+        cos, sin = compute_rotary_tables(
+            self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta, device
+        )
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        std, residual_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+        self.norm.init_weights()
+        for block in self.layers:
+            block.attention_norm.init_weights()
+            block.ffn_norm.init_weights()
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
+                nn.init.normal_(linear.weight, std=std)
+            nn.init.normal_(block.feed_forward.w1.weight, std=std)
+            nn.init.normal_(block.feed_forward.w3.weight, std=std)
+            nn.init.normal_(block.attention.wo.weight, std=residual_std)
+            nn.init.normal_(block.feed_forward.w2.weight, std=residual_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.cfg.seq_len:
+            raise ValueError(
+                f"sequence of {tokens.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}"
+            )
+        x = self.tok_embeddings(tokens)
+        for block in self.layers:
+            x = block(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy, computed in fp32."""
+        logits = self(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,0 +1,328 @@
+"""The training YAML: load it, apply ``--set`` overrides, check every section.
+
+A training config has these top-level sections::
+
+    distributed:   FSDPConfig fields (ray_fsdp_backend.config)
+    model:         ModelConfig fields (ray_fsdp_backend.example.model)
+    train:         TrainOptions fields (steps, batch sizes, lr, optimizer, ...)
+    data:          DataOptions fields (corpus path or a Ray Data text dataset)
+    scaling:       ScalingOptions fields (workers, GPUs, resources)
+    run:           RunOptions fields (name, storage_path, max_failures)
+
+:func:`check_spec` returns *every* problem as a list of messages (what
+``ray-fsdp validate`` prints); :func:`build_spec` returns the typed
+:class:`RunSpec` or raises ``ValueError`` with all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.example.model import ModelConfig
+
+OPTIMIZERS = ("adamw", "muon")
+DATA_SOURCES = ("corpus", "ray_data")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The ``train:`` section."""
+
+    steps: int = 100
+    """Optimizer steps."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; all but the last run under ``no_sync``."""
+    lr: float = 3e-3
+    """Peak learning rate (after warmup; cosine decay to ``min_lr_ratio * lr``)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (2-D weights only)."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping (the norm is still reported)."""
+    seed: int = 0
+    """Fixes initialisation and the data order."""
+    optimizer: str = "adamw"
+    """``adamw``, or ``muon`` (needs ``distributed.use_dmuon: true``)."""
+    log_every: int = 10
+    """Steps between progress lines and ``ray.train.report`` calls."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (model, optimizer, step, data position); 0: none."""
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """The ``data:`` section."""
+
+    source: str = "corpus"
+    """``corpus``: one text file read by every worker, sharded by rank in a
+    resumable order. ``ray_data``: ``ray.data.read_text(path)`` split across
+    workers by Ray Data (for datasets larger than one file)."""
+    path: str | None = None
+    """Text file (``corpus``) or files/directory/URI (``ray_data``); None is the
+    shipped corpus."""
+
+
+@dataclass(frozen=True)
+class ScalingOptions:
+    """The ``scaling:`` section (becomes ``ray.train.ScalingConfig``)."""
+
+    num_workers: int = 2
+    """Training worker processes: one per GPU on a GPU cluster."""
+    use_gpu: bool | str = "auto"
+    """True, False, or ``auto``: use GPUs when the Ray cluster has any."""
+    resources_per_worker: dict[str, float] | None = None
+    """Ray resources for each worker, e.g. ``{CPU: 8, GPU: 1}``."""
+    placement_strategy: str = "PACK"
+    """Ray placement-group strategy: PACK fills a node before the next."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The ``run:`` section (becomes ``ray.train.RunConfig``)."""
+
+    name: str | None = None
+    """Run directory name; None: the config file's stem and a timestamp."""
+    storage_path: str | None = None
+    """Where metrics, plots and checkpoints go: a shared file system or a cloud
+    URI (``s3://...``, ``gs://...``) on multi-node clusters; None: ``~/ray_results``."""
+    max_failures: int = 0
+    """Restarts from the latest checkpoint after a worker failure."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A checked training config, one typed object per section."""
+
+    distributed: FSDPConfig
+    model: ModelConfig
+    train: TrainOptions
+    data: DataOptions
+    scaling: ScalingOptions
+    run: RunOptions
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    """The document after overrides: what the workers receive."""
+
+
+# -- loading ---------------------------------------------------------------
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path) as f:
+        doc = yaml.safe_load(f) or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{os.fspath(path)}: top level must be a mapping of sections")
+    return doc
+
+
+def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``doc`` with each ``section.key=value`` set; values are YAML
+    (``20``, ``true``, ``[a, b]``, ``null``)."""
+    out = copy.deepcopy(dict(doc))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise ValueError(f"--set {item!r}: expected section.key=value, e.g. train.steps=20")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(text)
+    return out
+
+
+# -- checking --------------------------------------------------------------
+
+_SECTIONS = ("distributed", "model", "train", "data", "scaling", "run")
+
+
+def check_spec(doc: Mapping[str, Any]) -> list[str]:
+    """Every problem in a config document, one message each; empty when valid."""
+    errors = [
+        f"unknown section {key!r}; sections are {', '.join(_SECTIONS)}"
+        for key in doc
+        if key not in _SECTIONS
+    ]
+    if "distributed" not in doc:
+        errors.append("no 'distributed:' section (FSDPConfig fields)")
+    sections = {name: doc.get(name) or {} for name in _SECTIONS}
+    for name, section in sections.items():
+        if not isinstance(section, Mapping):
+            errors.append(f"section {name!r} must be a mapping, got {type(section).__name__}")
+            sections[name] = {}
+    errors += _section_errors(
+        "distributed", FSDPConfig, FSDPConfig.from_dict, sections["distributed"]
+    )
+    errors += _section_errors("model", ModelConfig, ModelConfig.from_dict, sections["model"])
+    for name, cls in _OPTION_CLASSES.items():
+        build = lambda v, c=cls: _build_options(c, v)  # noqa: E731
+        errors += _section_errors(name, cls, build, sections[name])
+    if not errors:
+        errors += _cross_section_errors(_build(doc))
+    return errors
+
+
+def build_spec(doc: Mapping[str, Any]) -> RunSpec:
+    """The typed spec for a document.
+
+    Raises:
+        ValueError: listing every problem :func:`check_spec` finds.
+    """
+    errors = check_spec(doc)
+    if errors:
+        raise ValueError("invalid training config:\n  " + "\n  ".join(errors))
+    return _build(doc)
+
+
+def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunSpec:
+    return build_spec(apply_overrides(load_yaml(path), overrides))
+
+
+def _build(doc: Mapping[str, Any]) -> RunSpec:
+    def section(name: str) -> Mapping[str, Any]:
+        return doc.get(name) or {}
+
+    return RunSpec(
+        distributed=FSDPConfig.from_dict(section("distributed")),
+        model=ModelConfig.from_dict(section("model")),
+        train=_build_options(TrainOptions, section("train")),
+        data=_build_options(DataOptions, section("data")),
+        scaling=_build_options(ScalingOptions, section("scaling")),
+        run=_build_options(RunOptions, section("run")),
+        raw=copy.deepcopy(dict(doc)),
+    )
+
+
+def _section_errors(
+    name: str, cls: type, build: Callable[[Mapping[str, Any]], Any], values: Mapping[str, Any]
+) -> list[str]:
+    """Every problem in one section, each reported once.
+
+    Unknown keys are reported one by one (with the builder's own message).
+    Then the section is built; on an error, the keys the message names are
+    dropped and it is built again, until it builds or a message names no key
+    left. Known keys are never checked alone: ``n_heads: 3`` is only wrong
+    next to ``dim: 128``.
+    """
+    known = {f.name for f in dataclasses.fields(cls)} | _EXTRA_KEYS.get(name, set())
+    errors, remaining = [], {}
+    for key, value in values.items():
+        if key in known:
+            remaining[key] = value
+            continue
+        try:
+            build({key: value})
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{name}: {exc}")
+    while True:
+        try:
+            build(remaining)
+            return errors
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{name}: {exc}")
+            named = [k for k in remaining if _names_key(str(exc), str(k))]
+            if not named:
+                return errors
+            for key in named:
+                del remaining[key]
+
+
+_EXTRA_KEYS = {"model": {"preset"}}
+
+
+def _names_key(message: str, key: str) -> bool:
+    """Whether ``message`` mentions ``key`` as a whole word (``model.dim=``, ``'dim'``)."""
+    return re.search(rf"(?<!\w){re.escape(key)}\b", message) is not None
+
+
+# -- the option dataclasses -------------------------------------------------
+
+_POSITIVE_INTS = {"steps", "micro_batch_size", "grad_accum", "log_every", "num_workers"}
+_NON_NEGATIVE = {"warmup_steps", "checkpoint_every", "max_failures", "seed", "weight_decay"}
+_NON_NEGATIVE |= {"max_grad_norm", "min_lr_ratio"}
+_CHOICES = {
+    "optimizer": OPTIMIZERS,
+    "source": DATA_SOURCES,
+    "use_gpu": (True, False, "auto"),
+    "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+}
+_FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
+_OPTIONAL_STRS = {"path", "name", "storage_path"}
+
+
+def _build_options(cls: type, values: Mapping[str, Any]) -> Any:
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in values if k not in known]
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown}; valid keys: {', '.join(known)}")
+    for key, value in values.items():
+        _check_option(key, value)
+    return cls(**dict(values))
+
+
+def _check_option(key: str, value: Any) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key in _POSITIVE_INTS and not (is_number and isinstance(value, int) and value > 0):
+        raise ValueError(f"{key}={value!r} must be a positive int")
+    if key in _FLOATS and not is_number:
+        raise ValueError(f"{key}={value!r} must be a number")
+    if key in _NON_NEGATIVE and not (is_number and value >= 0):
+        raise ValueError(f"{key}={value!r} must be a non-negative number")
+    if key == "lr" and value <= 0:
+        raise ValueError(f"lr={value!r} must be positive")
+    if key in _CHOICES and value not in _CHOICES[key]:
+        allowed = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in _CHOICES[key])
+        raise ValueError(f"{key}={value!r} is not one of {allowed}")
+    if key in _OPTIONAL_STRS and value is not None and not isinstance(value, str):
+        raise ValueError(f"{key}={value!r} must be a string or null")
+    if key == "resources_per_worker" and value is not None:
+        if not isinstance(value, Mapping) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for v in value.values()
+        ):
+            raise ValueError(f"resources_per_worker={value!r} must map resource names to numbers")
+
+
+_OPTION_CLASSES = {
+    "train": TrainOptions,
+    "data": DataOptions,
+    "scaling": ScalingOptions,
+    "run": RunOptions,
+}
+
+
+def _cross_section_errors(spec: RunSpec) -> list[str]:
+    errors = []
+    uses_muon = spec.train.optimizer == "muon"
+    if uses_muon != spec.distributed.use_dmuon:
+        errors.append(
+            f"train.optimizer={spec.train.optimizer!r} and distributed.use_dmuon="
+            f"{spec.distributed.use_dmuon} disagree: Muon runs as DMuon on FSDP shards, "
+            "so use optimizer muon with use_dmuon true, or adamw with use_dmuon false"
+        )
+    if spec.model.vocab_size != 256:
+        errors.append(f"model.vocab_size={spec.model.vocab_size} must be 256 (byte tokens)")
+    if spec.data.source == "ray_data" and spec.data.path is None:
+        errors.append("data.source='ray_data' needs data.path (files or a directory of text)")
+    if spec.data.path is not None and spec.data.source == "corpus":
+        if "://" not in spec.data.path and not os.path.isfile(spec.data.path):
+            errors.append(f"data.path={spec.data.path!r} is not a file")
+    return errors

@@ -1,0 +1,139 @@
+"""PURE per-GPU memory estimate for parameters, gradients and optimizer state.
+
+Used by ``ray-fsdp plan`` to say, before anything starts, whether a model and
+layout fit. The estimate counts model state only, the part that the strategy
+changes; activations depend on batch size, sequence length and activation
+checkpointing and are left out (and said to be).
+
+What each strategy keeps on one GPU (``N`` parameters, ``S`` ranks per shard
+group, ``U`` parameters in the largest FSDP unit, ``c`` bytes per parameter
+in the compute dtype, ``r`` in the gradient-reduction dtype):
+
+============================  ==========  ==========  ===============  ======================
+strategy                      params      grads       optimizer        transient
+============================  ==========  ==========  ===============  ======================
+DDP                           4 N         4 N         state(N)         4 N  (reducer buckets)
+full_shard / hybrid_shard     4 N / S     4 N / S     state(N) / S     2 c U + r U
+shard_grad_op / _zero2        4 N / S     4 N / S     state(N) / S     c N + r U
+============================  ==========  ==========  ===============  ======================
+
+``state`` is 8 bytes per parameter for AdamW (two fp32 moments) and, for
+Muon, 4 bytes per parameter of the blocks' weight matrices (one momentum) plus
+AdamW's 8 for the rest. ``full_shard`` keeps two units unsharded at a time
+(the running one and the prefetched next); the ZeRO-2 modes keep every unit
+unsharded from forward until its backward. With CPU offload the sharded
+parameters, gradients and optimizer state live in host memory instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ray_fsdp_backend.config import ShardingStrategy
+
+FP32_BYTES = 4
+ADAMW_STATE_BYTES = 2 * FP32_BYTES
+MUON_STATE_BYTES = FP32_BYTES
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The parameter counts the estimate needs, e.g. from ``ModelConfig``."""
+
+    num_params: int
+    """All parameters (a tied weight counted once)."""
+
+    largest_unit_params: int
+    """Parameters of the largest FSDP unit (a transformer block, or the root)."""
+
+    matrix_params: int = 0
+    """Parameters Muon updates (the blocks' 2-D weights); the rest use AdamW."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU, by kind; ``host`` is what CPU offload keeps in host memory."""
+
+    params: int
+    grads: int
+    optimizer: int
+    transient: int
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.transient
+
+
+def compute_optimizer_state_bytes(size: ModelSize, optimizer: str) -> int:
+    """Optimizer state for the whole (unsharded) model, in bytes."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "adamw":
+        return ADAMW_STATE_BYTES * size.num_params
+    rest = size.num_params - size.matrix_params
+    return MUON_STATE_BYTES * size.matrix_params + ADAMW_STATE_BYTES * rest
+
+
+def estimate_memory(
+    size: ModelSize,
+    strategy: ShardingStrategy | None,
+    shard_size: int,
+    *,
+    optimizer: str = "adamw",
+    mixed_precision: bool = True,
+    reduce_fp32: bool = False,
+    cpu_offload: bool = False,
+) -> MemoryEstimate:
+    """Per-GPU bytes of model state for one strategy; ``strategy=None`` is DDP.
+
+    Args:
+        size: parameter counts of the model.
+        strategy: the FSDP sharding strategy, or None for DDP.
+        shard_size: ranks that split the parameters (the mesh's ``dp_shard``
+            size); ignored for DDP.
+        optimizer: ``adamw`` or ``muon``.
+        mixed_precision: compute in a 16-bit dtype (unsharded copies are 2 bytes).
+        reduce_fp32: reduce gradients in fp32 even under mixed precision.
+        cpu_offload: keep sharded state in host memory (FSDP only).
+
+    Raises:
+        ValueError: unknown optimizer, or ``shard_size`` < 1.
+    """
+    if shard_size < 1:
+        raise ValueError(f"shard_size={shard_size} must be at least 1")
+    state = compute_optimizer_state_bytes(size, optimizer)
+    n = size.num_params
+    if strategy is None:
+        return MemoryEstimate(FP32_BYTES * n, FP32_BYTES * n, state, FP32_BYTES * n)
+    compute = 2 if mixed_precision else FP32_BYTES
+    reduce = FP32_BYTES if (reduce_fp32 or not mixed_precision) else compute
+    if strategy.reshard_after_forward:
+        unsharded = 2 * compute * size.largest_unit_params
+    else:
+        unsharded = compute * n
+    transient = unsharded + reduce * size.largest_unit_params
+    sharded = MemoryEstimate(
+        params=math.ceil(FP32_BYTES * n / shard_size),
+        grads=math.ceil(FP32_BYTES * n / shard_size),
+        optimizer=math.ceil(state / shard_size),
+        transient=transient,
+    )
+    if not cpu_offload:
+        return sharded
+    host = sharded.params + sharded.grads + sharded.optimizer
+    return MemoryEstimate(params=0, grads=0, optimizer=0, transient=transient, host=host)
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
