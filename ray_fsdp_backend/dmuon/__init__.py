@@ -1,0 +1,62 @@
+"""DMuon: distributed Muon with dedicated matrices, on FSDP2 / HSDP shards.
+
+``Muon(model, lr=...)`` is the optimizer (Muon for the dedicated 2-D block
+matrices, each orthogonalised by one owner rank; AdamW for the rest).
+``no_sync`` and ``clip_grad_norm_`` are the two runtime calls the seed's
+``DMuonFSDPStrategy`` makes; both reuse the project's single mechanisms
+(FSDP2's gradient-sync switch and :func:`ray_fsdp_backend.clip.clip_grad_norm_`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ray_fsdp_backend.clip import ClipStats
+from ray_fsdp_backend.clip import clip_grad_norm_ as _clip_grad_norm_
+from ray_fsdp_backend.dmuon.newton_schulz import zeropower_via_newtonschulz
+from ray_fsdp_backend.dmuon.optimizer import ADAMW_GROUP, MUON_GROUP, DMuonStepStats, Muon
+from ray_fsdp_backend.dmuon.plan import MatrixSpec, OwnershipPlan, compute_ownership_plan
+
+__all__ = [
+    "ADAMW_GROUP",
+    "MUON_GROUP",
+    "DMuonStepStats",
+    "MatrixSpec",
+    "Muon",
+    "OwnershipPlan",
+    "clip_grad_norm_",
+    "compute_ownership_plan",
+    "no_sync",
+    "zeropower_via_newtonschulz",
+]
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients without reduce-scatter (or the HSDP all-reduce)
+    on every FSDP2 unit of ``model``; the next backward outside the context
+    reduces everything accumulated. Dedicated matrices are FSDP2 parameters,
+    so this covers them too."""
+    from ray_fsdp_backend.strategies.fsdp import fsdp_modules
+
+    modules = fsdp_modules(model)
+    for m in modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float) -> ClipStats:
+    """Clip the gradients of all of ``optimizer``'s parameters (Muon and AdamW
+    groups) to one global L2 norm of at most ``max_norm``; see
+    :func:`ray_fsdp_backend.clip.clip_grad_norm_`."""
+    return _clip_grad_norm_(
+        [p for group in optimizer.param_groups for p in group["params"]], max_norm
+    )

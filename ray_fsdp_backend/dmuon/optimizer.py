@@ -1,0 +1,288 @@
+"""DMuon: Muon on FSDP2 row shards, each matrix orthogonalised by one owner.
+
+One ``torch.optim.Optimizer`` with two named parameter groups: ``"muon"``
+(the dedicated 2-D matrices) and ``"adamw"`` (everything else), so LR
+schedulers and ``torch.distributed.checkpoint.state_dict`` see an ordinary
+optimizer. All state is per parameter and shaped like the parameter (a
+DTensor shard under FSDP2), keyed by parameter name in DCP checkpoints: a
+checkpoint saved at one world size loads at another, where the owners are
+simply re-planned (:mod:`ray_fsdp_backend.dmuon.plan`).
+
+One Muon step, per dedicated matrix, following ``torch.optim.Muon``:
+
+1. momentum (and Nesterov) on the rank's own row shard of the gradient;
+2. one all-to-all over the shard group sends every row shard to the matrix's
+   owner, which assembles the full matrix (only there);
+3. the owner runs Newton–Schulz, batched over its matrices of one shape;
+4. a second all-to-all returns the orthogonalised rows to their shards;
+5. every rank applies decoupled weight decay and the (shape-adjusted)
+   learning rate to its shard.
+
+Under HSDP the same happens inside each ``dp_shard`` group, identically in
+every replica group (FSDP2 has already all-reduced the gradients across
+``dp_replicate``). Both exchanges travel in ``ns_dtype``: Newton–Schulz casts
+to it first and returns it, so nothing is lost on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim._muon import _adjust_lr
+from torch.optim.optimizer import _to_scalar
+
+from ray_fsdp_backend.dmuon import newton_schulz
+from ray_fsdp_backend.dmuon.exchange import ShardExchange, ShardGroup, resolve_shard_group
+from ray_fsdp_backend.dmuon.plan import (
+    MatrixSpec,
+    OwnershipPlan,
+    chunk_rows,
+    compute_ownership_plan,
+)
+from ray_fsdp_backend.dmuon.selection import select_parameters
+
+MUON_GROUP = "muon"
+ADAMW_GROUP = "adamw"
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+@dataclass(frozen=True)
+class DMuonStepStats:
+    """What the last ``step`` did on this rank."""
+
+    orthogonalized: tuple[str, ...]
+    """Names of the matrices this rank ran Newton–Schulz on."""
+    ns_calls: int
+    """Batched Newton–Schulz calls (one per owned shape)."""
+    bytes_sent: int
+    """Bytes this rank sent to other ranks in the two exchanges."""
+    bytes_received: int
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon for the dedicated 2-D matrices of an FSDP2 (or HSDP)
+    model, AdamW for its other parameters.
+
+    Built on the model the DMuon strategy wrapped (or any model whose
+    dedicated parameters are FSDP2 DTensors sharded on dim 0 over one mesh
+    axis, or plain tensors: then every rank orthogonalises every matrix).
+    Matches ``torch.optim.Muon`` (momentum as ``buf.lerp_(grad, 1 - momentum)``,
+    Nesterov, Newton–Schulz coefficients and steps, ``adjust_lr_fn``, decoupled
+    weight decay) plus ``torch.optim.AdamW`` on the rest.
+
+    Args:
+        model: the wrapped model.
+        lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr_fn,
+            ns_coefficients, ns_eps: the Muon group's hyperparameters, as in
+            ``torch.optim.Muon`` (``ns_eps`` is its ``eps``).
+        ns_dtype: precision of Newton–Schulz and of the exchanges; bfloat16
+            like torch's Muon, float32 for exact comparisons.
+        adamw_lr: the AdamW group's learning rate (default: ``lr``).
+        adamw_betas, adamw_eps, adamw_weight_decay: the AdamW group's.
+        is_dedicated: ``(name, param) -> bool`` choosing the Muon matrices;
+            default: 2-D weights inside the sharded blocks (see
+            :func:`~ray_fsdp_backend.dmuon.selection.select_parameters`).
+
+    Raises:
+        ValueError: a bad hyperparameter, a dedicated parameter that is not
+            2-D or not sharded on dim 0, dedicated parameters on different
+            meshes, or (on every rank) ranks that planned differently.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = newton_schulz.NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        ns_coefficients: tuple[float, float, float] = newton_schulz.NS_COEFFICIENTS,
+        ns_eps: float = newton_schulz.NS_EPS,
+        is_dedicated: Callable[[str, nn.Parameter], bool] | None = None,
+    ):
+        _check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype)
+        dedicated, rest = select_parameters(model, is_dedicated)
+        self.ns_dtype = ns_dtype
+        self.param_names = tuple(name for name, _ in dedicated)
+        self.shard_group: ShardGroup = resolve_shard_group(dedicated)
+        specs = [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated]
+        self.plan: OwnershipPlan = compute_ownership_plan(specs, self.shard_group.size)
+        device = _local(dedicated[0][1]).device if dedicated else torch.device("cpu")
+        self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
+        self._exchange.verify_consistent(_shard_rows_error(dedicated, self.plan, self.shard_group))
+        muon_group = dict(
+            name=MUON_GROUP,
+            params=[p for _, p in dedicated],
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=ns_eps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        self._adamw = None
+        groups = [muon_group] if dedicated else []
+        if rest:
+            self._adamw = torch.optim.AdamW(
+                [p for _, p in rest],
+                lr=lr if adamw_lr is None else adamw_lr,
+                betas=adamw_betas,
+                eps=adamw_eps,
+                weight_decay=adamw_weight_decay,
+            )
+            groups.append(dict(self._adamw.param_groups[0], name=ADAMW_GROUP))
+        if not groups:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        super().__init__(groups, defaults={})
+        self.last_step_stats: DMuonStepStats | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Muon step on the dedicated matrices and one AdamW step on the
+        rest. Every rank of the mesh must call it (it communicates), also when
+        some parameters have no gradient: those are left unchanged."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["name"] == MUON_GROUP:
+                self._muon_step(group)
+        self._adamw_step()
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        params = group["params"]
+        shards = [self._momentum_update(p, group) for p in params]
+        full = self._exchange.to_owners(shards)
+        orthogonal, ns_calls = self._orthogonalize(full, group)
+        updates = self._exchange.to_shards(orthogonal)
+        lr = _to_scalar(group["lr"])
+        for p, spec, update in zip(params, self.plan.matrices, updates, strict=True):
+            if p.grad is None:
+                continue
+            local = _local(p)
+            local.mul_(1 - lr * group["weight_decay"])
+            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], spec.shape)
+            local.add_(update.view_as(local), alpha=-adjusted_lr)
+        self.last_step_stats = DMuonStepStats(
+            orthogonalized=tuple(self.plan.matrices[i].name for i in sorted(full)),
+            ns_calls=ns_calls,
+            bytes_sent=self._exchange.bytes_sent,
+            bytes_received=self._exchange.bytes_received,
+        )
+
+    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """This rank's rows of the Nesterov (or plain) momentum update, in
+        ``ns_dtype``; zeros for a parameter without gradient, so that the
+        exchanges have the same layout on every rank."""
+        local_param = _local(p)
+        if p.grad is None:
+            return torch.zeros_like(local_param, dtype=self.ns_dtype)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+        buf.lerp_(grad, 1 - group["momentum"])
+        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        return update.to(self.ns_dtype)
+
+    def _orthogonalize(
+        self, full: dict[int, torch.Tensor], group: dict
+    ) -> tuple[dict[int, torch.Tensor], int]:
+        """Newton–Schulz on the matrices this rank owns, one batched call per
+        shape."""
+        out: dict[int, torch.Tensor] = {}
+        batches = self.plan.ns_batches(self.shard_group.rank)
+        for ids in batches.values():
+            stacked = newton_schulz.zeropower_via_newtonschulz(
+                torch.stack([full[i] for i in ids]),
+                group["ns_coefficients"],
+                group["ns_steps"],
+                group["eps"],
+                self.ns_dtype,
+            )
+            out.update(zip(ids, stacked.unbind(0), strict=True))
+        return out, len(batches)
+
+    def _adamw_step(self) -> None:
+        # The inner AdamW runs torch's own update on our "adamw" groups and
+        # our state: rebound on every step because load_state_dict replaces
+        # both objects.
+        if self._adamw is None:
+            return
+        self._adamw.param_groups = [g for g in self.param_groups if g["name"] == ADAMW_GROUP]
+        self._adamw.state = self.state
+        self._adamw.step()
+
+    def momentum_numel(self) -> int:
+        """Elements of Muon momentum this rank holds (its shards only)."""
+        return sum(
+            _local(s["momentum_buffer"]).numel()
+            for s in self.state.values()
+            if "momentum_buffer" in s
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_rows_error(
+    dedicated: list[tuple[str, nn.Parameter]], plan: OwnershipPlan, shard: ShardGroup
+) -> str | None:
+    """Why this rank's shards do not match the plan's ``torch.chunk`` rows, or
+    None. Checked collectively so that a mismatch on one rank fails all."""
+    for (name, p), spec in zip(dedicated, plan.matrices, strict=True):
+        start, stop = chunk_rows(spec.shape[0], plan.num_ranks)[shard.rank]
+        expected = (stop - start, spec.shape[1])
+        if tuple(_local(p).shape) != expected:
+            return (
+                f"dedicated parameter {name!r}: local shard has shape "
+                f"{tuple(_local(p).shape)}, expected {expected} (torch.chunk rows of "
+                f"{spec.shape} over {plan.num_ranks} ranks)"
+            )
+    return None
+
+
+def _check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype) -> None:
+    checks = [
+        ("lr", lr, lr >= 0, "must be >= 0"),
+        ("momentum", momentum, momentum >= 0, "must be >= 0"),
+        ("weight_decay", weight_decay, weight_decay >= 0, "must be >= 0"),
+        (
+            "ns_steps",
+            ns_steps,
+            isinstance(ns_steps, int) and 0 < ns_steps < 100,
+            "must be an int in [1, 99]",
+        ),
+        (
+            "adjust_lr_fn",
+            adjust_lr_fn,
+            adjust_lr_fn in _ADJUST_LR_FNS,
+            f"must be one of {_ADJUST_LR_FNS}",
+        ),
+        (
+            "ns_dtype",
+            ns_dtype,
+            ns_dtype in (torch.bfloat16, torch.float16, torch.float32),
+            "must be torch.bfloat16, torch.float16 or torch.float32",
+        ),
+    ]
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{name}={value!r} {rule}")
