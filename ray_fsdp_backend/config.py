@@ -130,7 +130,9 @@ class FSDPConfig(TorchConfig):
 
     def __post_init__(self) -> None:
         self.fsdp_sharding_strategy = _resolve_strategy(self.fsdp_sharding_strategy).value
-        self.fsdp_block_classes = tuple(_check_str_list("fsdp_block_classes", self.fsdp_block_classes))
+        self.fsdp_block_classes = tuple(
+            _check_str_list("fsdp_block_classes", self.fsdp_block_classes)
+        )
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name])
         _check_values(self)
@@ -259,8 +261,8 @@ def _check_values(cfg: FSDPConfig) -> None:
             )
         if not (cfg.use_fsdp and cfg.sharding_strategy.is_hybrid):
             raise ValueError(
-                f"fsdp_hsdp_replicate_size={cfg.fsdp_hsdp_replicate_size!r} needs use_fsdp=true and "
-                f"fsdp_sharding_strategy hybrid_shard or _hybrid_shard_zero2 "
+                f"fsdp_hsdp_replicate_size={cfg.fsdp_hsdp_replicate_size!r} needs "
+                "use_fsdp=true and fsdp_sharding_strategy hybrid_shard or _hybrid_shard_zero2 "
                 f"(got use_fsdp={cfg.use_fsdp}, "
                 f"fsdp_sharding_strategy={cfg.fsdp_sharding_strategy!r})"
             )

@@ -94,7 +94,7 @@ class MeshLayout:
         rows = self._rows()
         if axis == self.axis_names[-1]:
             return rows
-        return tuple(zip(*rows))
+        return tuple(zip(*rows, strict=True))
 
     def axis_size(self, axis: str) -> int:
         return self.shape[self.axis_names.index(axis)] if axis in self.axis_names else 1
@@ -127,9 +127,7 @@ def compute_topology_from_env(world_size: int, local_world_size: int) -> Topolog
             f"LOCAL_WORLD_SIZE={local_world_size} does not divide WORLD_SIZE={world_size}"
         )
     per = local_world_size
-    return Topology(
-        nodes=tuple(tuple(range(i, i + per)) for i in range(0, world_size, per))
-    )
+    return Topology(nodes=tuple(tuple(range(i, i + per)) for i in range(0, world_size, per)))
 
 
 def compute_mesh_layout(

@@ -1,0 +1,88 @@
+"""``TrainContext``: what ``train_loop_per_worker`` gets from ``get_context()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.strategies.base import DistributionStrategy
+from ray_fsdp_backend.topology import MeshLayout, Topology
+
+_CONTEXT: TrainContext | None = None
+
+
+@dataclass
+class TrainContext:
+    """One worker's view of the run: its strategy, mesh, device and place in
+    the cluster. Built by the backend on every worker before the training
+    function starts."""
+
+    config: FSDPConfig
+    strategy: DistributionStrategy
+    mesh: DeviceMesh
+    layout: MeshLayout
+    topology: Topology
+    device: torch.device
+    world_rank: int
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank(self.world_rank)
+
+    @property
+    def node_rank(self) -> int:
+        return self.topology.node_rank(self.world_rank)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks: every rank reads different data under
+        FSDP, HSDP and DDP alike."""
+        return self.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data shard index: its flat position in the mesh."""
+        return int((self.mesh.mesh.flatten() == self.world_rank).nonzero()[0])
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Shard (FSDP2/HSDP) or replicate (DDP) ``model`` as configured."""
+        return self.strategy.wrap(model)
+
+    def clip_grad_norm(
+        self, model: nn.Module, max_norm: float, *, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
+        """One global-norm clip over all gradients; returns the pre-clip norm."""
+        return self.strategy.clip_grad_norm(model, max_norm, optimizer=optimizer)
+
+    def no_sync(self, model: nn.Module):
+        """Context manager for accumulation micro-batches."""
+        return self.strategy.no_sync(model)
+
+
+def get_context() -> TrainContext:
+    """The calling worker's ``TrainContext``.
+
+    Raises:
+        RuntimeError: called outside ``train_loop_per_worker`` of a run whose
+            ``torch_config`` (or ``backend_config``) is an ``FSDPConfig``.
+    """
+    if _CONTEXT is None:
+        raise RuntimeError(
+            "ray_fsdp_backend.get_context() is only available inside "
+            "train_loop_per_worker of a TorchTrainer run with torch_config=FSDPConfig(...)"
+        )
+    return _CONTEXT
+
+
+def set_context(context: TrainContext | None) -> None:
+    """Install (or with None, clear) this process's context; backend use only."""
+    global _CONTEXT
+    _CONTEXT = context

@@ -1,0 +1,42 @@
+"""Build the ``DeviceMesh`` a ``MeshLayout`` describes (creates process groups)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.topology import (
+    MeshLayout,
+    Topology,
+    compute_mesh_layout,
+    compute_topology_from_env,
+)
+
+
+def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
+    """A mesh with the layout's axis names and exactly its rank placement.
+
+    The grid is passed explicitly rather than through ``init_device_mesh``
+    (which assumes rank ``i`` sits at flat index ``i``), so a shard group is
+    one node even when the scheduler numbered a node's ranks apart.
+    Collective: every rank must call it.
+    """
+    return DeviceMesh(device_type, torch.tensor(layout.grid), mesh_dim_names=layout.axis_names)
+
+
+def resolve_layout(config: FSDPConfig, topology: Topology) -> MeshLayout:
+    """The mesh layout for ``config`` on ``topology`` (pure; raises ValueError
+    for an impossible layout)."""
+    strategy = config.sharding_strategy if config.use_fsdp else None
+    return compute_mesh_layout(strategy, topology, config.fsdp_hsdp_replicate_size)
+
+
+def topology_from_environment() -> Topology:
+    """The node layout of a torchrun-style job: ``LOCAL_WORLD_SIZE`` ranks per
+    node, numbered node by node (one node when the variable is unset)."""
+    world = dist.get_world_size()
+    return compute_topology_from_env(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))

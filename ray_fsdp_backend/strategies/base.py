@@ -1,0 +1,61 @@
+"""The interface every strategy keeps (the seed's), and what they all share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.config import FSDPConfig
+
+
+class DistributionStrategy(ABC):
+    """Wraps a model for one kind of data parallelism and runs the gradient
+    operations that depend on it.
+
+    Subclasses differ only in ``wrap``, ``no_sync`` and ``params_sharded``;
+    clipping is the same global-norm clip for all of them.
+    """
+
+    def __init__(self, config: FSDPConfig, *, device: torch.device, mesh: DeviceMesh | None):
+        self.config = config
+        self.device = device
+        self.mesh = mesh
+        self.last_grad_clip_stats: dict | None = None
+
+    @abstractmethod
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap ``model`` for this strategy and place it on ``device``."""
+
+    @abstractmethod
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager:
+        """Context manager under which backward accumulates gradients locally,
+        without cross-rank reduction (gradient-accumulation micro-batches)."""
+
+    @property
+    @abstractmethod
+    def params_sharded(self) -> bool:
+        """Whether each rank holds only a shard of the parameters."""
+
+    def clip_grad_norm(
+        self,
+        model: torch.nn.Module,
+        max_norm: float,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> torch.Tensor:
+        """Clip all gradients of ``model`` (and of ``optimizer``'s parameters,
+        when given) to one global L2 norm of at most ``max_norm``.
+
+        Returns the global norm before clipping, a 0-d float32 tensor equal on
+        every rank. Details of the last call are in ``last_grad_clip_stats``.
+        """
+        params = list(model.parameters())
+        if optimizer is not None:
+            params += [p for group in optimizer.param_groups for p in group["params"]]
+        stats = clip_grad_norm_(params, max_norm)
+        self.last_grad_clip_stats = stats.as_dict()
+        return stats.total_norm

@@ -1,0 +1,136 @@
+"""Which submodules are "blocks", and the changes applied to them in place.
+
+Used by every strategy before it wraps: FSDP shards each block as one unit,
+and activation checkpointing recomputes each block in backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+_logger = logging.getLogger(__name__)
+
+
+def find_blocks(model: nn.Module, class_names: Sequence[str] = ()) -> list[nn.Module]:
+    """The model's blocks, outermost first and never one inside another.
+
+    With ``class_names``: every module whose class name is listed. Without:
+    every child of every ``nn.ModuleList`` (the transformer-layers
+    convention). A block whose parameters are also used outside it (a tied
+    weight) is left to the enclosing unit, so tied weights share one group.
+
+    Raises:
+        ValueError: a listed class name matches no module.
+    """
+    if class_names:
+        wanted = set(class_names)
+        candidates = [m for m in model.modules() if type(m).__name__ in wanted]
+        missing = wanted - {type(m).__name__ for m in candidates}
+        if missing:
+            raise ValueError(
+                f"fsdp_block_classes={sorted(class_names)}: no module of class "
+                f"{sorted(missing)} in {type(model).__name__}"
+            )
+    else:
+        candidates = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for block in candidates:
+        if id(block) in inside or block is model:
+            continue
+        if _shares_params_outside(model, block):
+            _logger.info(
+                "%s shares parameters with other modules: sharded with its parent",
+                type(block).__name__,
+            )
+            continue
+        blocks.append(block)
+        inside.update(id(m) for m in block.modules())
+    return blocks
+
+
+def _shares_params_outside(model: nn.Module, block: nn.Module) -> bool:
+    own = {id(p) for p in block.parameters()}
+    inside = {id(m) for m in block.modules()}
+    return any(
+        id(p) in own
+        for m in model.modules()
+        if id(m) not in inside
+        for p in m.parameters(recurse=False)
+    )
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    """Recompute activations in backward: the model's own
+    ``gradient_checkpointing_enable()`` when it has one (Hugging Face models),
+    otherwise checkpointing of every block.
+
+    The composable ``checkpoint`` keeps parameter names unchanged, so
+    checkpoints stay loadable with and without it.
+
+    Raises:
+        ValueError: the model has neither that method nor any block.
+    """
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(enable):
+        enable()
+        return
+    if not blocks:
+        raise ValueError(
+            f"use_gradient_checkpointing=True but {type(model).__name__} has no "
+            "gradient_checkpointing_enable() and no blocks to checkpoint; set "
+            "fsdp_block_classes"
+        )
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def materialize_meta_module(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate a meta-device model's (possibly sharded) storage on ``device``
+    and initialise it: the model's ``init_weights()`` when it has one, else
+    every submodule's ``reset_parameters()``.
+
+    Run after sharding, so each rank allocates and initialises only its own
+    shard and no rank ever holds the full model. ``init_weights()`` must also
+    recompute non-persistent buffers (rotary tables): ``to_empty`` leaves them
+    uninitialised.
+
+    Raises:
+        ValueError: the model has no ``init_weights()`` and some module holds
+            parameters but has no ``reset_parameters()``; nothing is allocated.
+    """
+    init = getattr(model, "init_weights", None)
+    if not callable(init):
+        uninitialisable = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if not callable(getattr(m, "reset_parameters", None))
+                and any(True for _ in m.parameters(recurse=False))
+            }
+        )
+        if uninitialisable:
+            raise ValueError(
+                f"{type(model).__name__} was built on the meta device but has no "
+                f"init_weights(), and {uninitialisable} have parameters without "
+                "reset_parameters(): their values would be uninitialised memory"
+            )
+    model.to_empty(device=device)
+    with torch.no_grad():
+        if callable(init):
+            init()
+        else:
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()

@@ -1,0 +1,48 @@
+"""DDP: every rank holds the whole model; gradients are all-reduced."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ray_fsdp_backend.strategies.base import DistributionStrategy
+from ray_fsdp_backend.strategies.blocks import (
+    apply_activation_checkpointing,
+    find_blocks,
+    has_meta_tensors,
+    materialize_meta_module,
+)
+
+
+class DDPStrategy(DistributionStrategy):
+    """``DistributedDataParallel`` with the config's bucket and buffer options."""
+
+    @property
+    def params_sharded(self) -> bool:
+        return False
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.config.use_gradient_checkpointing:
+            apply_activation_checkpointing(
+                model, find_blocks(model, self.config.fsdp_block_classes)
+            )
+        if has_meta_tensors(model):
+            materialize_meta_module(model, self.device)
+        model = model.to(self.device)
+        on_gpu = self.device.type == "cuda"
+        # DDP broadcasts rank 0's parameters at construction: all ranks start equal.
+        return DistributedDataParallel(
+            model,
+            device_ids=[self.device] if on_gpu else None,
+            output_device=self.device if on_gpu else None,
+            find_unused_parameters=self.config.find_unused_parameters,
+            broadcast_buffers=self.config.broadcast_buffers,
+            bucket_cap_mb=self.config.bucket_cap_mb,
+        )
+
+    @contextmanager
+    def no_sync(self, model: nn.Module):
+        with model.no_sync():
+            yield

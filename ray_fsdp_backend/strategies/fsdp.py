@@ -1,0 +1,155 @@
+"""FSDP2 and HSDP: one path; the mesh decides which one it is.
+
+A 1-D ``(dp_shard,)`` mesh gives FSDP (full_shard / shard_grad_op), a 2-D
+``(dp_replicate, dp_shard)`` mesh gives HSDP (hybrid_shard /
+_hybrid_shard_zero2): FSDP2's ``fully_shard`` shards over the last axis and
+replicates over the first. Everything the config says is resolved into one
+``FSDPPolicy`` before the single ``fully_shard`` call site.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.strategies.base import DistributionStrategy
+from ray_fsdp_backend.strategies.blocks import (
+    apply_activation_checkpointing,
+    find_blocks,
+    has_meta_tensors,
+    materialize_meta_module,
+)
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FSDPPolicy:
+    """The ``fully_shard`` keyword arguments a config resolves to."""
+
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    reshard_after_forward: bool
+
+    @property
+    def offloads(self) -> bool:
+        return isinstance(self.offload_policy, CPUOffloadPolicy)
+
+
+def resolve_fsdp_policy(config: FSDPConfig, device: torch.device) -> FSDPPolicy:
+    """Mixed precision, offload and resharding for ``fully_shard``.
+
+    ``use_mixed_precision=False`` gives a policy that keeps everything in the
+    parameters' dtype (full fp32): the seed refused to run without mixed
+    precision. CPU offload needs an accelerator; on CPU workers the
+    parameters already live in host memory, so it is skipped with a log line.
+    """
+    if config.use_mixed_precision:
+        dtype = torch.bfloat16 if config.bf16 else torch.float16
+        reduce_dtype = torch.float32 if config.fsdp_reduce_dtype == "fp32" else dtype
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    offload_policy = OffloadPolicy()
+    if config.fsdp_cpu_offload:
+        if device.type == "cpu":
+            _logger.info("fsdp_cpu_offload: workers run on CPU, nothing to offload")
+        else:
+            offload_policy = CPUOffloadPolicy(pin_memory=True)
+    return FSDPPolicy(
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=config.sharding_strategy.reshard_after_forward,
+    )
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, policy: FSDPPolicy) -> nn.Module:
+    """``fully_shard`` every block, then the root (which takes the rest:
+    embeddings, tied output head, final norm)."""
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=policy.mp_policy,
+        offload_policy=policy.offload_policy,
+        reshard_after_forward=policy.reshard_after_forward,
+    )
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class FSDPStrategy(DistributionStrategy):
+    """FSDP2 over the mesh the backend built (1-D: FSDP, 2-D: HSDP)."""
+
+    @property
+    def trainer_process_group(self) -> dist.ProcessGroup | None:
+        """All ranks, for trainer-level barriers and metric reductions
+        (independent of the mesh shape; no extra communicator)."""
+        if not dist.is_initialized() or dist.get_world_size() <= 1:
+            return None
+        return dist.group.WORLD
+
+    @property
+    def params_sharded(self) -> bool:
+        return True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return self._wrap(model, use_dmuon=False)
+
+    def _wrap(self, model: nn.Module, *, use_dmuon: bool) -> nn.Module:
+        """Shard ``model`` with its own ``convert_to_fsdp`` hook when it has one
+        (the seed's adapter interface), else with the per-block policy; then
+        materialise it if it was built on the meta device."""
+        policy = resolve_fsdp_policy(self.config, self.device)
+        convert = getattr(model, "convert_to_fsdp", None)
+        if callable(convert):
+            if self.config.use_gradient_checkpointing:
+                apply_activation_checkpointing(model, find_blocks(model))
+            model = convert(
+                mesh=self.mesh,
+                mp_policy=policy.mp_policy,
+                offload_policy=policy.offload_policy,
+                reshard_after_forward=policy.reshard_after_forward,
+                use_dmuon=use_dmuon,
+            )
+        else:
+            blocks = find_blocks(model, self.config.fsdp_block_classes)
+            if self.config.use_gradient_checkpointing:
+                apply_activation_checkpointing(model, blocks)
+            if not has_meta_tensors(model):
+                model.to(self.device)
+            model = apply_fsdp(model, blocks, self.mesh, policy)
+        if has_meta_tensors(model):
+            # Offloaded shards live on the host; FSDP2 moves them per use.
+            materialize_meta_module(model, "cpu" if policy.offloads else self.device)
+        return model
+
+    @contextmanager
+    def no_sync(self, model: nn.Module):
+        """Skip reduce-scatter (and the HSDP all-reduce) on every FSDP module:
+        gradients accumulate unsharded until the next synced backward."""
+        modules = fsdp_modules(model)
+        for m in modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_requires_gradient_sync(True, recurse=False)

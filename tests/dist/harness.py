@@ -1,0 +1,72 @@
+"""Run a function on N gloo ranks with torch.multiprocessing, without Ray.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each of
+which initialises a gloo process group on a free loopback port and calls
+``fn(rank, world_size, *args)``. What rank 0 returns comes back to the caller
+(pickled through a file); an exception on any rank fails the call with that
+rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, out_dir, fn, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.manual_seed(0)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        if rank == 0:
+            with open(os.path.join(out_dir, "result.pkl"), "wb") as f:
+                pickle.dump(result, f)
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world_size, free_port(), out_dir, fn, args),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except Exception as exc:
+            errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
+            details = "".join(open(os.path.join(out_dir, f)).read() for f in errors)
+            raise AssertionError(f"a rank failed:\n{details or exc}") from None
+        with open(os.path.join(out_dir, "result.pkl"), "rb") as f:
+            return pickle.load(f)
