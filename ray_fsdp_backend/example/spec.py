@@ -44,7 +44,10 @@ class TrainOptions:
     grad_accum: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync``."""
     lr: float = 3e-3
-    """Peak learning rate (after warmup; cosine decay to ``min_lr_ratio * lr``)."""
+    """Peak learning rate (after warmup; cosine decay to ``min_lr_ratio * lr``);
+    with ``optimizer: muon`` the rate of the Muon matrices."""
+    adamw_lr: float | None = None
+    """With ``optimizer: muon``: AdamW's rate for embeddings and norms; None: ``lr``."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr``."""
     warmup_steps: int = 10
@@ -265,6 +268,7 @@ _CHOICES = {
     "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
 }
 _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
+_OPTIONAL_POSITIVE = {"adamw_lr"}
 _OPTIONAL_STRS = {"path", "name", "storage_path"}
 
 
@@ -288,6 +292,8 @@ def _check_option(key: str, value: Any) -> None:
         raise ValueError(f"{key}={value!r} must be a non-negative number")
     if key == "lr" and value <= 0:
         raise ValueError(f"lr={value!r} must be positive")
+    if key in _OPTIONAL_POSITIVE and value is not None and not (is_number and value > 0):
+        raise ValueError(f"{key}={value!r} must be a positive number or null")
     if key in _CHOICES and value not in _CHOICES[key]:
         allowed = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in _CHOICES[key])
         raise ValueError(f"{key}={value!r} is not one of {allowed}")

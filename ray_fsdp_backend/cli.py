@@ -1,0 +1,309 @@
+"""``ray-fsdp``: train the example model, plan a layout, validate a config.
+
+    ray-fsdp train examples/cpu_tiny.yaml [--set train.steps=20 ...]
+    ray-fsdp plan examples/hsdp_multinode.yaml --nodes 4 --gpus-per-node 8
+    ray-fsdp validate examples/*.yaml
+
+``train`` joins the Ray cluster at ``RAY_ADDRESS`` (set inside a Ray job) or,
+without it, starts a local one; it uses GPUs when the cluster has them
+(``scaling.use_gpu: auto``). ``plan`` and ``validate`` start nothing: ``plan``
+runs the backend's own topology and mesh functions, so it accepts and refuses
+exactly the layouts the backend does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from ray_fsdp_backend.example.spec import (
+    RunSpec,
+    apply_overrides,
+    build_spec,
+    check_spec,
+    load_yaml,
+)
+from ray_fsdp_backend.memory import ModelSize, estimate_memory, format_bytes
+from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS, compute_topology_from_env
+
+EXIT_INVALID = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ray-fsdp", description="FSDP2 / HSDP / DDP / DMuon training on Ray."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train the example model described by CONFIG")
+    train.add_argument("config", help="training YAML, e.g. examples/cpu_tiny.yaml")
+    _add_set(train)
+    train.set_defaults(handler=cmd_train)
+
+    plan = commands.add_parser("plan", help="mesh, rank groups and memory, without starting")
+    plan.add_argument("config")
+    plan.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    plan.add_argument("--gpus-per-node", type=int, required=True, help="workers per node")
+    _add_set(plan)
+    plan.set_defaults(handler=cmd_plan)
+
+    validate = commands.add_parser("validate", help="check configs and report every error")
+    validate.add_argument("configs", nargs="+", metavar="config")
+    _add_set(validate)
+    validate.set_defaults(handler=cmd_validate)
+    return parser
+
+
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value by dotted key, e.g. --set train.steps=20 (repeatable)",
+    )
+
+
+def load(path: str, overrides: Sequence[str]) -> RunSpec:
+    return build_spec(apply_overrides(load_yaml(path), overrides))
+
+
+# -- validate -----------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Print ``OK`` or every error for each config; exit 1 if any is invalid."""
+    failed = 0
+    for path in args.configs:
+        try:
+            errors = check_spec(apply_overrides(load_yaml(path), args.overrides))
+        except Exception as exc:  # unreadable file or broken YAML: one error for this file
+            errors = [f"{type(exc).__name__}: {exc}"]
+        if errors:
+            failed += 1
+            print(f"{path}: {len(errors)} error{'s' if len(errors) > 1 else ''}")
+            for error in errors:
+                print(f"  - {error}")
+        else:
+            print(f"{path}: OK")
+    return 1 if failed else 0
+
+
+# -- plan ---------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec = load(args.config, args.overrides)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise ValueError("--nodes and --gpus-per-node must be at least 1")
+    print(format_plan(spec, args.nodes, args.gpus_per_node))
+    return 0
+
+
+def format_plan(spec: RunSpec, nodes: int, gpus_per_node: int) -> str:
+    """The ``plan`` report; raises ValueError for a layout the backend refuses."""
+    world = nodes * gpus_per_node
+    topology = compute_topology_from_env(world, gpus_per_node)
+    layout = resolve_layout(spec.distributed, topology)
+    cfg = spec.distributed
+    strategy = cfg.sharding_strategy if cfg.use_fsdp else None
+    name = "DDP" if strategy is None else f"FSDP2 {strategy.value}"
+    if strategy is not None and strategy.is_hybrid:
+        name += " (HSDP)"
+    if cfg.use_dmuon:
+        name += " + DMuon"
+    shape = ", ".join(f"{a}={s}" for a, s in zip(layout.axis_names, layout.shape, strict=True))
+    lines = [
+        f"strategy: {name}",
+        f"cluster:  {nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks",
+        f"mesh:     ({shape})",
+    ]
+    if spec.scaling.num_workers != world:
+        lines.append(
+            f"note:     scaling.num_workers={spec.scaling.num_workers}; train this layout with "
+            f"--set scaling.num_workers={world}"
+        )
+    for axis, what in (
+        (SHARD_AXIS, "parameters split among these ranks: all-gather, reduce-scatter"),
+        (REPLICATE_AXIS, "same parameters on each rank: gradients all-reduced"),
+    ):
+        if axis in layout.axis_names:
+            groups = layout.groups(axis)
+            if len(groups[0]) == 1:
+                lines.append(f"{axis} groups: {len(groups)} of one rank each (nothing to reduce)")
+                continue
+            lines.append(f"{axis} groups ({len(groups)}; {what}):")
+            lines += [f"  {format_ranks(g)}" for g in groups]
+    lines += format_memory(spec, strategy, layout.axis_size(SHARD_AXIS))
+    return "\n".join(lines)
+
+
+def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:
+    model, cfg = spec.model, spec.distributed
+    size = ModelSize(
+        num_params=model.num_params(),
+        largest_unit_params=max(model.block_params(), model.embedding_params()),
+        matrix_params=model.matrix_params(),
+    )
+    est = estimate_memory(
+        size,
+        strategy,
+        shard_size,
+        optimizer=spec.train.optimizer,
+        mixed_precision=cfg.use_mixed_precision,
+        reduce_fp32=cfg.fsdp_reduce_dtype == "fp32",
+        cpu_offload=cfg.fsdp_cpu_offload,
+    )
+    lines = [
+        f"model:    {size.num_params / 1e6:,.1f}M parameters ({model.n_layers} blocks of "
+        f"{model.block_params() / 1e6:,.2f}M), optimizer {spec.train.optimizer}",
+        "per-GPU memory, model state only (activations not included):",
+        f"  parameters  {format_bytes(est.params):>10}",
+        f"  gradients   {format_bytes(est.grads):>10}",
+        f"  optimizer   {format_bytes(est.optimizer):>10}",
+        f"  transient   {format_bytes(est.transient):>10}  (unsharded blocks / buffers)",
+        f"  total       {format_bytes(est.total):>10}",
+    ]
+    if est.host:
+        lines.append(f"  host (CPU offload) {format_bytes(est.host)} per rank")
+    return lines
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``'[0-3]'``; ``[0, 8, 16]`` -> ``'[0, 8, 16]'``."""
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"[{ranks[0]}-{ranks[-1]}]"
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
+
+# -- train --------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    spec = load(args.config, args.overrides)
+    name = spec.run.name or f"{_stem(args.config)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = run_training(spec, name)
+    history = result.return_value or []
+    outputs = write_outputs(result, history)
+    if history:
+        first, last = history[0], history[-1]
+        print(
+            f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+            f"(step {last['step']})"
+        )
+    print(f"results:    {result.path}")
+    for label, path in outputs.items():
+        print(f"{label + ':':<11} {path}")
+    if result.checkpoint is not None:
+        print(f"checkpoint: {result.checkpoint.path}")
+    return 0
+
+
+def run_training(spec: RunSpec, name: str):
+    """Fit the example model with a ``TorchTrainer``; returns the Ray ``Result``."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_fsdp_backend.example.train import train_loop_per_worker
+
+    if not ray.is_initialized():
+        # address="local" starts a fresh cluster: never join a stale one by accident.
+        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+    use_gpu = resolve_use_gpu(spec.scaling.use_gpu, ray.cluster_resources())
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=spec.raw,
+        torch_config=spec.distributed,
+        scaling_config=ScalingConfig(
+            num_workers=spec.scaling.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker=spec.scaling.resources_per_worker,
+            placement_strategy=spec.scaling.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=spec.run.storage_path,
+            failure_config=FailureConfig(max_failures=spec.run.max_failures),
+        ),
+        datasets=build_datasets(spec),
+    )
+    return trainer.fit()
+
+
+def resolve_use_gpu(setting: bool | str, cluster_resources: dict) -> bool:
+    """``auto``: GPUs when the cluster has any."""
+    if setting == "auto":
+        return cluster_resources.get("GPU", 0) > 0
+    return bool(setting)
+
+
+def build_datasets(spec: RunSpec) -> dict | None:
+    if spec.data.source != "ray_data":
+        return None
+    import ray.data
+
+    from ray_fsdp_backend.example.data import pack_text_rows
+
+    rows = ray.data.read_text(spec.data.path).map_batches(
+        pack_text_rows, fn_kwargs={"seq_len": spec.model.seq_len}, batch_size=1024
+    )
+    return {"train": rows}
+
+
+def write_outputs(result, history: list[dict]) -> dict[str, str]:
+    """``metrics.jsonl`` and ``loss_curve.png`` in the run directory (any
+    storage Ray supports: its ``pyarrow`` filesystem writes them)."""
+    if not history:
+        return {}
+    fs, root = result.filesystem, result.path
+    metrics_path = f"{root}/metrics.jsonl"
+    with fs.open_output_stream(metrics_path) as f:
+        f.write("".join(json.dumps(m) + "\n" for m in history).encode())
+    plot_path = f"{root}/loss_curve.png"
+    with fs.open_output_stream(plot_path) as f:
+        f.write(render_loss_curve(history))
+    return {"metrics": metrics_path, "loss curve": plot_path}
+
+
+def render_loss_curve(history: list[dict]) -> bytes:
+    """PNG bytes of loss against step (matplotlib, headless Agg backend)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot([m["step"] for m in history], [m["loss"] for m in history], marker=".")
+    ax.set(xlabel="step", ylabel="loss (nats / byte)", title="training loss")
+    ax.grid(True, alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

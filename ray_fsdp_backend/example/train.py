@@ -1,0 +1,250 @@
+"""The ``train_loop_per_worker`` that ``ray-fsdp train`` runs on every worker.
+
+It reads top to bottom like nanoGPT's ``train.py``: build the model on the
+meta device, let the backend shard and initialise it, build the optimizer and
+data, restore a checkpoint if the run has one, then repeat micro-batches
+(all but the last under ``no_sync``), clip, step, and report. Rank 0 prints a
+progress line every ``train.log_every`` steps and returns the loss history,
+which the driver turns into ``metrics.jsonl`` and ``loss_curve.png``.
+
+``loop_config`` is the training YAML document after ``--set`` overrides (see
+:mod:`ray_fsdp_backend.example.spec`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import ray_fsdp_backend as rfb
+from ray_fsdp_backend.example.data import ShardedBatches, load_corpus, split_rows
+from ray_fsdp_backend.example.model import Transformer
+from ray_fsdp_backend.example.spec import RunSpec, TrainOptions, build_spec
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]:
+    """Train the example model; returns the logged history (rank 0's is used)."""
+    spec = build_spec(loop_config)
+    opts, ctx = spec.train, rfb.get_context()
+    torch.manual_seed(opts.seed)
+
+    with torch.device("meta"):
+        model = Transformer(spec.model)
+    model = ctx.wrap(model)  # shards, materialises and calls init_weights()
+    optimizer = build_optimizer(model, spec)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
+    batches = build_batches(spec, ctx.dp_rank, ctx.dp_size)
+    checkpoints = CheckpointHooks(ctx, every=opts.checkpoint_every)
+    start_step = checkpoints.restore(model, optimizer, schedule, batches)
+
+    history: list[dict[str, float]] = []
+    tokens_per_step = opts.micro_batch_size * opts.grad_accum * spec.model.seq_len * ctx.dp_size
+    clock = Clock(start_step)
+    for step in range(start_step + 1, opts.steps + 1):
+        loss, grad_norm = train_step(ctx, model, optimizer, batches, spec)
+        schedule.step()
+        logged = step % opts.log_every == 0 or step in (start_step + 1, opts.steps)
+        if not (logged or checkpoints.due(step)):
+            continue
+        # Collective: every rank reaches this line at the same steps.
+        metrics = {
+            "step": step,
+            "loss": mean_across_ranks(loss.detach(), ctx.device),
+            "grad_norm": float(grad_norm),
+            "lr": schedule.get_last_lr()[0],
+            **clock.lap(step, opts.steps, tokens_per_step),
+        }
+        history.append(metrics)
+        if ctx.world_rank == 0:
+            print(format_progress(metrics, opts.steps), flush=True)
+        extra_state = {
+            "step": step,
+            "data": batches.state_dict(),
+            "schedule": schedule.state_dict(),
+        }
+        checkpoints.report(step, model, optimizer, metrics, extra_state)
+    return history
+
+
+def train_step(
+    ctx, model: nn.Module, optimizer, batches, spec: RunSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns this rank's
+    mean loss and the global pre-clip gradient norm."""
+    accum = spec.train.grad_accum
+    total = torch.zeros((), device=ctx.device)
+    for micro in range(accum):
+        inputs, targets = (t.to(ctx.device, non_blocking=True) for t in batches.next_batch())
+        # Gradients sync only on the last micro-batch: one all-reduce per step.
+        sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
+        with sync, autocast_for(ctx):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+            loss.backward()
+        total += loss.detach()
+    max_norm = spec.train.max_grad_norm or math.inf
+    grad_norm = ctx.clip_grad_norm(model, max_norm, optimizer=optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm
+
+
+def autocast_for(ctx) -> contextlib.AbstractContextManager:
+    """bf16/fp16 autocast for DDP on GPUs under mixed precision. FSDP2 casts
+    parameters itself (its ``MixedPrecisionPolicy``), so it needs none."""
+    cfg = ctx.config
+    if ctx.strategy.params_sharded or not cfg.use_mixed_precision or ctx.device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16 if cfg.bf16 else torch.float16)
+
+
+def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
+    """AdamW (decay on 2-D weights only), or distributed Muon for the blocks'
+    matrices with AdamW for the rest."""
+    opts = spec.train
+    if opts.optimizer == "muon":
+        from ray_fsdp_backend.dmuon.optimizer import Muon
+
+        return Muon(
+            model,
+            lr=opts.lr,
+            weight_decay=opts.weight_decay,
+            adamw_lr=opts.adamw_lr,
+            adamw_weight_decay=0.0,
+        )
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": opts.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_factor(step: int, opts: TrainOptions) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_lr_ratio``."""
+    if step < opts.warmup_steps:
+        return (step + 1) / opts.warmup_steps
+    progress = (step - opts.warmup_steps) / max(1, opts.steps - opts.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return opts.min_lr_ratio + (1 - opts.min_lr_ratio) * cosine
+
+
+def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
+    """This rank's micro-batch stream: the sharded corpus, or its Ray Data shard."""
+    opts, seq_len = spec.train, spec.model.seq_len
+    if spec.data.source == "ray_data":
+        return RayDataBatches(ray.train.get_dataset_shard("train"), opts.micro_batch_size)
+    tokens = load_corpus(spec.data.path)
+    return ShardedBatches(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
+
+
+class RayDataBatches:
+    """Micro-batches from a Ray Data shard of fixed-length token rows
+    (:func:`~ray_fsdp_backend.example.data.pack_text_rows`), epoch after epoch.
+
+    Every rank's shard has the same number of rows (``streaming_split(equal=True)``),
+    so all ranks start each epoch together. Resuming restarts the stream.
+    """
+
+    def __init__(self, shard, micro_batch_size: int) -> None:
+        self.shard, self.micro_batch_size = shard, micro_batch_size
+        self.position, self._it = 0, iter(())
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for _ in range(2):
+            for batch in self._it:
+                self.position += 1
+                return split_rows(batch["tokens"])
+            self._it = iter(
+                self.shard.iter_torch_batches(batch_size=self.micro_batch_size, drop_last=True)
+            )
+        raise RuntimeError("the Ray Data shard has fewer rows than one micro-batch")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = 0  # a Ray Data stream cannot seek: start it again
+
+
+def mean_across_ranks(value: torch.Tensor, device: torch.device) -> float:
+    """Mean of a scalar over all ranks (SUM then divide: gloo lacks a reliable AVG)."""
+    t = value.detach().float().reshape(1).to(device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t) / dist.get_world_size()
+
+
+class CheckpointHooks:
+    """Checkpoints through the context's helpers, plain reports without them.
+
+    The one place that knows whether this version of the backend has
+    ``ctx.save_checkpoint`` / ``ctx.restore_checkpoint``; the loop calls
+    :meth:`restore` once and :meth:`report` at every logged step.
+    """
+
+    def __init__(self, ctx, every: int) -> None:
+        self.ctx, self.every = ctx, every
+        self.enabled = every > 0 and hasattr(ctx, "save_checkpoint")
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.every == 0
+
+    def restore(self, model, optimizer, schedule, batches) -> int:
+        """Load the latest checkpoint if the run has one; returns its step (0: none)."""
+        if not hasattr(self.ctx, "restore_checkpoint"):
+            return 0
+        extra = self.ctx.restore_checkpoint(model, optimizer)
+        if not extra:
+            return 0
+        batches.load_state_dict(extra["data"])
+        schedule.load_state_dict(extra["schedule"])
+        if self.ctx.world_rank == 0:
+            print(f"resumed from step {extra['step']}", flush=True)
+        return int(extra["step"])
+
+    def report(self, step, model, optimizer, metrics, extra_state) -> None:
+        """A checkpoint when one is due, else a metrics-only report (every rank)."""
+        if self.due(step):
+            self.ctx.save_checkpoint(model, optimizer, metrics, extra_state=extra_state)
+        else:
+            ray.train.report(metrics)
+
+
+class Clock:
+    """Throughput and ETA between logged steps."""
+
+    def __init__(self, start_step: int) -> None:
+        self.start = self.last = time.perf_counter()
+        self.last_step, self.first_step = start_step, start_step
+
+    def lap(self, step: int, total_steps: int, tokens_per_step: int) -> dict[str, float]:
+        now = time.perf_counter()
+        steps = max(1, step - self.last_step)
+        step_time = (now - self.last) / steps
+        self.last, self.last_step = now, step
+        elapsed = now - self.start
+        mean_step = elapsed / max(1, step - self.first_step)
+        return {
+            "tokens_per_s": tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "elapsed_s": elapsed,
+            "eta_s": mean_step * (total_steps - step),
+        }
+
+
+def format_progress(m: dict[str, float], total_steps: int) -> str:
+    eta = time.strftime("%H:%M:%S", time.gmtime(m["eta_s"]))
+    return (
+        f"step {m['step']:>{len(str(total_steps))}}/{total_steps} | loss {m['loss']:.4f} | "
+        f"grad norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+        f"{m['tokens_per_s']:,.0f} tok/s | ETA {eta}"
+    )
