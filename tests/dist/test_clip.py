@@ -1,0 +1,97 @@
+"""Global-norm clipping over DTensors on two different meshes and plain tensors,
+on 4 gloo ranks, against the norm of the full tensors computed in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ray_fsdp_backend.clip import clip_grad_norm_
+from tests.dist.harness import run_ranks
+
+
+def _param(full: torch.Tensor, mesh=None, placements=None) -> nn.Parameter:
+    if mesh is None:
+        p = nn.Parameter(torch.zeros_like(full))
+        p.grad = full.clone()
+    else:
+        p = nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, placements))
+        p.grad = distribute_tensor(full.clone(), mesh, placements)
+    return p
+
+
+def _full_grad(p) -> torch.Tensor:
+    return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+
+
+def _setup(rank, world):
+    flat = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp_shard",))
+    hsdp = DeviceMesh(
+        "cpu", torch.arange(world).reshape(2, -1), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+    g = torch.Generator().manual_seed(7)
+    fulls = [
+        torch.randn(8, 3, generator=g),
+        torch.randn(6, 5, generator=g),
+        torch.randn(7, generator=g),
+        torch.randn(3, 2, generator=g),
+    ]  # 3 rows on 4 ranks
+    params = [
+        _param(fulls[0], flat, [Shard(0)]),
+        _param(fulls[1], hsdp, [Replicate(), Shard(0)]),
+        _param(fulls[2]),  # plain: replicated on every rank, counted once
+        _param(fulls[3], flat, [Shard(0)]),
+    ]
+    return flat, fulls, params
+
+
+def _clip_checks(rank, world):
+    flat, fulls, params = _setup(rank, world)
+    ref = torch.stack([f.norm() for f in fulls]).norm()
+    max_norm = float(ref) / 3
+    stats = clip_grad_norm_(params, max_norm)
+
+    torch.testing.assert_close(stats.total_norm, ref, atol=1e-6, rtol=1e-6)
+    everyone = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(everyone, stats.total_norm)
+    assert all(torch.equal(n, everyone[0]) for n in everyone), everyone
+    # One coefficient for all: each gradient is its original times max_norm / ref.
+    coef = max_norm / (float(ref) + 1e-6)
+    for p, f in zip(params, fulls, strict=True):
+        torch.testing.assert_close(_full_grad(p), f * coef, atol=1e-6, rtol=1e-5)
+    after = torch.stack([_full_grad(p).norm() for p in params]).norm()
+    assert after <= max_norm * (1 + 1e-5), (after, max_norm)
+    # Two (mesh, sharded-axes) buckets: one collective each.
+    assert stats.num_collectives == 2
+
+    # A tied parameter listed twice is counted once.
+    again = clip_grad_norm_(params + params[:1], 1e9)
+    torch.testing.assert_close(again.total_norm, after, atol=1e-6, rtol=1e-5)
+
+    # The collective count does not grow with the number of tensors.
+    counts = []
+    for n in (10, 100, 1000):
+        many = [_param(torch.ones(4, 2), flat, [Shard(0)]) for _ in range(n)]
+        s = clip_grad_norm_(many, 1.0)
+        torch.testing.assert_close(s.total_norm, torch.tensor(float(8 * n) ** 0.5))
+        counts.append(s.num_collectives)
+    assert counts == [1, 1, 1], counts
+
+    # A non-finite norm leaves every gradient untouched and is reported.
+    _, fulls, params = _setup(rank, world)
+    if rank == 0:  # a shard on the flat mesh: every rank's reduction sees it
+        params[0].grad.to_local().fill_(float("inf"))
+    before = [_full_grad(p).clone() for p in params]
+    bad = clip_grad_norm_(params, 1.0)
+    assert not bad.finite and bad.clip_coef == 1.0
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(_full_grad(p), b)
+    return stats.as_dict()
+
+
+def test_one_global_norm_over_mixed_meshes_and_plain_tensors():
+    stats = run_ranks(_clip_checks, 4)
+    assert stats["clip_coef"] < 1.0 and stats["finite"] == 1.0

@@ -1,0 +1,107 @@
+"""Pure topology and mesh-shape math (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_fsdp_backend import FSDPConfig
+from ray_fsdp_backend.backend import resolve_pg_backend
+from ray_fsdp_backend.config import ShardingStrategy
+from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.topology import (
+    WorkerInfo,
+    compute_mesh_layout,
+    compute_topology,
+    compute_topology_from_env,
+)
+
+HSDP = ShardingStrategy.HYBRID_SHARD
+
+
+def _cluster(nodes: int, per_node: int):
+    return compute_topology(
+        [WorkerInfo(world_rank=r, node_id=f"n{r // per_node}") for r in range(nodes * per_node)]
+    )
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_hsdp_shards_inside_nodes_and_replicates_across(nodes):
+    topo = _cluster(nodes, 8)
+    layout = compute_mesh_layout(HSDP, topo)
+    assert layout.axis_names == ("dp_replicate", "dp_shard")
+    assert layout.shape == (nodes, 8)  # the seed took LOCAL_WORLD_SIZE as the replicate size
+    assert layout.groups("dp_shard") == topo.nodes
+    for group in layout.groups("dp_replicate"):
+        assert [topo.node_rank(r) for r in group] == list(range(nodes))
+        assert len({topo.local_rank(r) for r in group}) == 1
+
+
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP])
+def test_fsdp_is_one_axis_over_all_ranks(strategy):
+    layout = compute_mesh_layout(strategy, _cluster(2, 4))
+    assert layout.axis_names == ("dp_shard",) and layout.shape == (8,)
+    assert layout.groups("dp_shard") == (tuple(range(8)),)
+    assert layout.axis_size("dp_replicate") == 1
+
+
+def test_ddp_is_one_replicate_axis():
+    layout = compute_mesh_layout(None, _cluster(2, 2))
+    assert layout.axis_names == ("dp_replicate",) and layout.groups("dp_replicate") == (
+        (0, 1, 2, 3),
+    )
+
+
+def test_nodes_are_found_by_node_id_even_when_ranks_interleave():
+    topo = compute_topology([WorkerInfo(r, node_id="ab"[r % 2]) for r in range(4)])
+    assert topo.nodes == ((0, 2), (1, 3))
+    assert topo.local_rank(3) == 1 and topo.node_rank(3) == 1
+    layout = compute_mesh_layout(HSDP, topo)
+    assert layout.groups("dp_shard") == ((0, 2), (1, 3))
+    assert layout.groups("dp_replicate") == ((0, 1), (2, 3))
+
+
+def test_uneven_nodes_refused_for_hsdp_default():
+    topo = compute_topology([WorkerInfo(0, "a"), WorkerInfo(1, "a"), WorkerInfo(2, "b")])
+    with pytest.raises(
+        ValueError, match=r"same number of workers; got \[2, 1\] workers on 2 nodes"
+    ):
+        compute_mesh_layout(HSDP, topo)
+    # Full sharding does not care how workers are spread.
+    assert compute_mesh_layout(ShardingStrategy.FULL_SHARD, topo).shape == (3,)
+
+
+def test_replicate_size_override_and_its_errors():
+    topo = _cluster(2, 4)
+    layout = compute_mesh_layout(HSDP, topo, replicate_size=4)
+    assert layout.shape == (4, 2)
+    assert layout.groups("dp_shard") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    with pytest.raises(
+        ValueError,
+        match=r"fsdp_hsdp_replicate_size=3 does not divide the world "
+        r"size 8; allowed: \[1, 2, 4, 8\]",
+    ):
+        compute_mesh_layout(HSDP, topo, replicate_size=3)
+
+
+def test_bad_ranks_and_env_topology():
+    with pytest.raises(ValueError, match="worker ranks must be 0..1"):
+        compute_topology([WorkerInfo(0, "a"), WorkerInfo(2, "a")])
+    assert compute_topology_from_env(8, 4).nodes == ((0, 1, 2, 3), (4, 5, 6, 7))
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=3 does not divide WORLD_SIZE=8"):
+        compute_topology_from_env(8, 3)
+
+
+def test_resolve_layout_reads_config():
+    cfg = FSDPConfig(
+        use_fsdp=True, fsdp_sharding_strategy="_hybrid_shard_zero2", fsdp_hsdp_replicate_size=2
+    )
+    assert resolve_layout(cfg, _cluster(1, 4)).shape == (2, 2)
+    assert resolve_layout(FSDPConfig(), _cluster(1, 4)).axis_names == ("dp_replicate",)
+
+
+def test_process_group_backend_choice():
+    assert resolve_pg_backend(FSDPConfig(), uses_gpu=False) == "gloo"
+    assert resolve_pg_backend(FSDPConfig(use_fsdp=True), uses_gpu=True) == "nccl"
+    offload = FSDPConfig(use_fsdp=True, fsdp_cpu_offload=True)
+    assert resolve_pg_backend(offload, uses_gpu=True) == "cuda:nccl,cpu:gloo"
+    assert resolve_pg_backend(FSDPConfig(backend="gloo"), uses_gpu=True) == "gloo"
