@@ -267,6 +267,11 @@ class Transformer(nn.Module):
         on an FSDP-sharded model (DTensor parameters are filled shard-wise).
         Residual output projections get the GPT-2 ``1/sqrt(2 * n_layers)`` scale.
         """
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # Plain Module.to_empty() gives each module its own new Parameter,
+            # silently untying the head (FSDP2's fully_shard keeps the tie).
+            # Same failure: github.com/Modalities/modalities/issues/357
+            self.output.weight = self.tok_embeddings.weight
         device = buffer_device or self.rope_cos.device
         cos, sin = compute_rotary_tables(
             self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta, device

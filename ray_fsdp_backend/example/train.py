@@ -14,6 +14,7 @@ which the driver turns into ``metrics.jsonl`` and ``loss_curve.png``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from typing import Any
@@ -28,6 +29,11 @@ import ray_fsdp_backend as rfb
 from ray_fsdp_backend.example.data import ShardedBatches, load_corpus, split_rows
 from ray_fsdp_backend.example.model import Transformer
 from ray_fsdp_backend.example.spec import RunSpec, TrainOptions, build_spec
+
+# Progress goes through logging, not print: Ray Train V2 (2.60) patches a
+# worker's print to write to stdout *and* its logger, so the driver shows
+# every printed line twice.
+_logger = logging.getLogger(__name__)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]:
@@ -64,7 +70,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
         }
         history.append(metrics)
         if ctx.world_rank == 0:
-            print(format_progress(metrics, opts.steps), flush=True)
+            _logger.info(format_progress(metrics, opts.steps))
         extra_state = {
             "step": step,
             "data": batches.state_dict(),
@@ -208,7 +214,7 @@ class CheckpointHooks:
         batches.load_state_dict(extra["data"])
         schedule.load_state_dict(extra["schedule"])
         if self.ctx.world_rank == 0:
-            print(f"resumed from step {extra['step']}", flush=True)
+            _logger.info("resumed from step %d", extra["step"])
         return int(extra["step"])
 
     def report(self, step, model, optimizer, metrics, extra_state) -> None:
