@@ -182,6 +182,24 @@ def check_meta_device_model(name, rank, world):
         assert all(torch.equal(g, gathered[0]) for g in gathered), name
 
 
+def check_bf16_with_offload_requested(name, rank, world):
+    if name == "ddp":
+        return  # DDP has no mixed-precision policy or offload; the config refuses offload
+    # On CPU workers offload has nothing to move: it is logged and training goes on.
+    cfg = FSDPConfig(use_fsdp=True, fsdp_sharding_strategy=name, fsdp_cpu_offload=True)
+    strategy = build_strategy(cfg, device=torch.device("cpu"), local_rank=rank)
+    model = strategy.wrap(reference_model())
+    compute = []
+    model.layers[0].fc.register_forward_hook(lambda m, i, o: compute.append(o.dtype))
+    losses, _ = _train(model, _local_batch(*make_batch(), rank, world), strategy=strategy)
+    assert compute and all(d == torch.bfloat16 for d in compute), compute
+    want, _ = _reference()
+    # Master weights stay fp32; bf16 compute moves them only slightly off the fp32 run.
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    _assert_close(_params(model), want, atol=3e-2, what=f"{name} bf16")
+    assert losses[-1] < losses[0], losses
+
+
 CHECKS = [
     check_training_matches_reference,
     check_shard_fraction,
@@ -190,6 +208,7 @@ CHECKS = [
     check_tied_weights,
     check_activation_checkpointing,
     check_meta_device_model,
+    check_bf16_with_offload_requested,
 ]
 
 
