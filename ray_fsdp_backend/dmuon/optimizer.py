@@ -149,6 +149,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{type(model).__name__} has no trainable parameters")
         super().__init__(groups, defaults={})
         self.last_step_stats: DMuonStepStats | None = None
+        self._init_state()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -218,6 +219,37 @@ class Muon(torch.optim.Optimizer):
             )
             out.update(zip(ids, stacked.unbind(0), strict=True))
         return out, len(batches)
+
+    def _init_state(self) -> None:
+        """Create every parameter's state now rather than at its first
+        gradient, so that a checkpoint always holds every key and a freshly
+        built optimizer loads one through DCP without a fake step (a parameter
+        that never got a gradient would otherwise be missing on one side).
+
+        AdamW's state comes from torch's own lazy initialisation: one AdamW
+        step with zero gradients at lr 0 (what DCP itself does), after which
+        the step counts are reset to 0, as if no step had run.
+        """
+        for group in self.param_groups:
+            if group["name"] == MUON_GROUP:
+                for p in group["params"]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        adamw_groups = [g for g in self.param_groups if g["name"] == ADAMW_GROUP]
+        params = [p for g in adamw_groups for p in g["params"]]
+        grads, lrs = [p.grad for p in params], [g["lr"] for g in adamw_groups]
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for g in adamw_groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+            self._adamw_step()
+        finally:
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+            for g, lr in zip(adamw_groups, lrs, strict=True):
+                g["lr"] = lr
+        for p in params:
+            self.state[p]["step"].zero_()
 
     def _adamw_step(self) -> None:
         # The inner AdamW runs torch's own update on our "adamw" groups and
