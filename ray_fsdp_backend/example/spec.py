@@ -154,11 +154,15 @@ def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
 
 # -- checking --------------------------------------------------------------
 
-_SECTIONS = ("distributed", "model", "train", "data", "scaling", "run")
+_SECTIONS = ("distributed", "model", "train", "data", "scaling", "run")  # = _BUILDERS
 
 
 def check_spec(doc: Mapping[str, Any]) -> list[str]:
-    """Every problem in a config document, one message each; empty when valid."""
+    """Every problem in a config document, one message each; empty when valid.
+
+    Rules that span sections (``optimizer`` against ``use_dmuon``) are checked
+    whenever the sections they involve are valid on their own.
+    """
     errors = [
         f"unknown section {key!r}; sections are {', '.join(_SECTIONS)}"
         for key in doc
@@ -166,21 +170,17 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
     ]
     if "distributed" not in doc:
         errors.append("no 'distributed:' section (FSDPConfig fields)")
-    sections = {name: doc.get(name) or {} for name in _SECTIONS}
-    for name, section in sections.items():
+    built = {}
+    for name, (cls, build) in _BUILDERS.items():
+        section = doc.get(name) or {}
         if not isinstance(section, Mapping):
             errors.append(f"section {name!r} must be a mapping, got {type(section).__name__}")
-            sections[name] = {}
-    errors += _section_errors(
-        "distributed", FSDPConfig, FSDPConfig.from_dict, sections["distributed"]
-    )
-    errors += _section_errors("model", ModelConfig, ModelConfig.from_dict, sections["model"])
-    for name, cls in _OPTION_CLASSES.items():
-        build = lambda v, c=cls: _build_options(c, v)  # noqa: E731
-        errors += _section_errors(name, cls, build, sections[name])
-    if not errors:
-        errors += _cross_section_errors(_build(doc))
-    return errors
+            continue
+        section_errors = _section_errors(name, cls, build, section)
+        errors += section_errors
+        if not section_errors:
+            built[name] = build(section)
+    return errors + _cross_section_errors(built)
 
 
 def build_spec(doc: Mapping[str, Any]) -> RunSpec:
@@ -203,15 +203,8 @@ def _build(doc: Mapping[str, Any]) -> RunSpec:
     def section(name: str) -> Mapping[str, Any]:
         return doc.get(name) or {}
 
-    return RunSpec(
-        distributed=FSDPConfig.from_dict(section("distributed")),
-        model=ModelConfig.from_dict(section("model")),
-        train=_build_options(TrainOptions, section("train")),
-        data=_build_options(DataOptions, section("data")),
-        scaling=_build_options(ScalingOptions, section("scaling")),
-        run=_build_options(RunOptions, section("run")),
-        raw=copy.deepcopy(dict(doc)),
-    )
+    sections = {name: build(section(name)) for name, (_, build) in _BUILDERS.items()}
+    return RunSpec(**sections, raw=copy.deepcopy(dict(doc)))
 
 
 def _section_errors(
@@ -307,28 +300,36 @@ def _check_option(key: str, value: Any) -> None:
             raise ValueError(f"resources_per_worker={value!r} must map resource names to numbers")
 
 
-_OPTION_CLASSES = {
-    "train": TrainOptions,
-    "data": DataOptions,
-    "scaling": ScalingOptions,
-    "run": RunOptions,
+def _options_builder(cls: type) -> Callable[[Mapping[str, Any]], Any]:
+    return lambda values: _build_options(cls, values)
+
+
+_BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
+    "distributed": (FSDPConfig, FSDPConfig.from_dict),
+    "model": (ModelConfig, ModelConfig.from_dict),
+    "train": (TrainOptions, _options_builder(TrainOptions)),
+    "data": (DataOptions, _options_builder(DataOptions)),
+    "scaling": (ScalingOptions, _options_builder(ScalingOptions)),
+    "run": (RunOptions, _options_builder(RunOptions)),
 }
+"""Each section's dataclass and the function that builds it from a mapping."""
 
 
-def _cross_section_errors(spec: RunSpec) -> list[str]:
+def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
+    """Rules spanning sections, each checked when its sections built."""
     errors = []
-    uses_muon = spec.train.optimizer == "muon"
-    if uses_muon != spec.distributed.use_dmuon:
+    train, dist, model, data = (built.get(k) for k in ("train", "distributed", "model", "data"))
+    if train is not None and dist is not None and (train.optimizer == "muon") != dist.use_dmuon:
         errors.append(
-            f"train.optimizer={spec.train.optimizer!r} and distributed.use_dmuon="
-            f"{spec.distributed.use_dmuon} disagree: Muon runs as DMuon on FSDP shards, "
+            f"train.optimizer={train.optimizer!r} and distributed.use_dmuon="
+            f"{dist.use_dmuon} disagree: Muon runs as DMuon on FSDP shards, "
             "so use optimizer muon with use_dmuon true, or adamw with use_dmuon false"
         )
-    if spec.model.vocab_size != 256:
-        errors.append(f"model.vocab_size={spec.model.vocab_size} must be 256 (byte tokens)")
-    if spec.data.source == "ray_data" and spec.data.path is None:
+    if model is not None and model.vocab_size != 256:
+        errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
+    if data is not None and data.source == "ray_data" and data.path is None:
         errors.append("data.source='ray_data' needs data.path (files or a directory of text)")
-    if spec.data.path is not None and spec.data.source == "corpus":
-        if "://" not in spec.data.path and not os.path.isfile(spec.data.path):
-            errors.append(f"data.path={spec.data.path!r} is not a file")
+    if data is not None and data.source == "corpus" and data.path is not None:
+        if "://" not in data.path and not os.path.isfile(data.path):
+            errors.append(f"data.path={data.path!r} is not a file")
     return errors
