@@ -95,6 +95,15 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
+def _shared_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) registrations of every parameter registered more than once."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            slots.setdefault(id(param), []).append((module, name))
+    return [s for s in slots.values() if len(s) > 1]
+
+
 def materialize_meta_module(model: nn.Module, device: torch.device | str) -> None:
     """Allocate a meta-device model's (possibly sharded) storage on ``device``
     and initialise it: the model's ``init_weights()`` when it has one, else
@@ -125,7 +134,13 @@ def materialize_meta_module(model: nn.Module, device: torch.device | str) -> Non
                 f"init_weights(), and {uninitialisable} have parameters without "
                 "reset_parameters(): their values would be uninitialised memory"
             )
+    tied = _shared_parameter_slots(model)
     model.to_empty(device=device)
+    # to_empty allocates one new tensor per registration, untying shared weights.
+    for slots in tied:
+        first = getattr(*slots[0])
+        for module, name in slots[1:]:
+            setattr(module, name, first)
     with torch.no_grad():
         if callable(init):
             init()

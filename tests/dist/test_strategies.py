@@ -153,6 +153,11 @@ def check_tied_weights(name, rank, world):
     ref = reference_model(**kw)
     _train(ref, make_batch(dim_in=16, dim_out=16))
     _assert_close(_params(model), _params(ref), what=f"{name} tied weights")
+    # Built on the meta device, the tie survives materialisation (to_empty unties).
+    with torch.device("meta"):
+        meta = ToyNet(**kw)
+    inner = getattr(strategy.wrap(meta), "module", meta)
+    assert inner.head.weight is inner.inp.weight, f"{name}: meta init untied the weights"
 
 
 def check_activation_checkpointing(name, rank, world):
