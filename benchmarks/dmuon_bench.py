@@ -1,0 +1,184 @@
+"""DMuon optimizer-step benchmark: time, bytes on the wire and memory per rank.
+
+For each model width in ``sizes`` (a transformer-like stack: per layer a
+``qkv`` (3d x d), ``out`` (d x d), ``up`` (4d x d) and ``down`` (d x 4d)
+matrix), it measures
+
+- ``torch.optim.Muon`` on one process over the full matrices (the reference);
+- ``ray_fsdp_backend.dmuon.Muon`` on FSDP2 shards at each rank count in
+  ``ranks`` (gloo on CPU, one spawn per rank count covering all sizes): step
+  time (slowest rank), bytes each rank sends and receives in the two
+  exchanges, momentum bytes per rank and matrices orthogonalised per rank;
+- for comparison, the bytes a plain FSDP2 + AdamW training step moves per
+  rank (all-gather in forward, again in backward, reduce-scatter of the
+  gradients; the AdamW step itself moves nothing) and what a naive
+  "all-gather every matrix on every rank" Muon would add.
+
+Every process runs one intra-op thread (on a shared machine OpenMP threads
+that wait for a busy core make timings meaningless), and times are medians:
+at ``r`` ranks DMuon uses ``r`` cores, the reference one.
+
+    python -m benchmarks.dmuon_bench            # prints JSON
+    python -m benchmarks.dmuon_bench --sizes 64 128 256 --ranks 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+FP32_BYTES = 4
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(4 * d, d, bias=False)
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int, n_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(d) for _ in range(n_layers))
+
+
+def _time_steps(step, steps: int, sync=lambda: None) -> float:
+    """Median seconds per call of ``step`` after one warm-up call."""
+    step()
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _fill_grads(model: nn.Module, seed: int) -> None:
+    """Random gradients (this rank's rows only, for sharded parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+        _local(p.grad).copy_(torch.randn(_local(p).shape, generator=g))
+
+
+def reference_step_ms(d: int, n_layers: int, steps: int) -> float:
+    """``torch.optim.Muon`` (bf16 Newton–Schulz) on one process, full matrices."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Stack(d, n_layers)
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    _fill_grads(model, 0)
+    return 1e3 * _time_steps(opt.step, steps)
+
+
+def _dmuon_on_ranks(rank: int, world_size: int, sizes, n_layers: int, steps: int) -> list[dict]:
+    """Run on every rank: one DMuon measurement per size; rank 0 returns all."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ray_fsdp_backend.dmuon import Muon
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    out = []
+    for d in sizes:
+        torch.manual_seed(0)
+        model = Stack(d, n_layers)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = Muon(model, lr=0.02)
+        _fill_grads(model, rank)
+        step_s = _time_steps(opt.step, steps, sync=dist.barrier)
+        stats = opt.last_step_stats
+        row = dict(
+            step_s=step_s,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            momentum_bytes=opt.momentum_numel() * FP32_BYTES,
+            ns_matrices=len(stats.orthogonalized),
+        )
+        rows = [None] * world_size
+        dist.all_gather_object(rows, row)
+        out.append(_summarise_ranks(rows))
+    return out
+
+
+def _summarise_ranks(rows: list[dict]) -> dict:
+    return {
+        "step_ms": 1e3 * max(r["step_s"] for r in rows),
+        "bytes_sent_per_rank": max(r["bytes_sent"] for r in rows),
+        "bytes_received_per_rank": max(r["bytes_received"] for r in rows),
+        "momentum_bytes_per_rank": [r["momentum_bytes"] for r in rows],
+        "ns_matrices_per_rank": [r["ns_matrices"] for r in rows],
+    }
+
+
+def analytic_bytes(d: int, n_layers: int, world_size: int) -> dict:
+    """Per-rank bytes of a plain FSDP2 + AdamW training step and of a naive
+    replicated-NS Muon, for fp32 parameters (ring collectives: each rank
+    sends ``(n - 1) / n`` of the tensor per all-gather or reduce-scatter)."""
+    param_bytes = sum(p.numel() for p in Stack(d, 1).parameters()) * n_layers * FP32_BYTES
+    frac = (world_size - 1) / world_size
+    return {
+        "param_bytes": param_bytes,
+        "fsdp_adamw_step_bytes_per_rank": int(3 * frac * param_bytes),
+        "naive_allgather_muon_extra_bytes_per_rank": int(frac * param_bytes // 2),  # bf16
+    }
+
+
+def run(
+    sizes: tuple[int, ...] = (64, 128),
+    ranks: tuple[int, ...] = (1, 2),
+    n_layers: int = 4,
+    steps: int = 5,
+) -> dict:
+    """Benchmark results as a JSON-ready dict (see the module docstring)."""
+    from tests.dist.harness import run_ranks
+
+    dmuon = {r: run_ranks(_dmuon_on_ranks, r, tuple(sizes), n_layers, steps) for r in ranks}
+    results = []
+    for k, d in enumerate(sizes):
+        row = {"d_model": d, "n_layers": n_layers, "num_matrices": 4 * n_layers}
+        row["torch_muon_step_ms"] = reference_step_ms(d, n_layers, steps)
+        row["momentum_bytes_single_process"] = analytic_bytes(d, n_layers, 1)["param_bytes"]
+        row["dmuon"] = {str(r): {**dmuon[r][k], **analytic_bytes(d, n_layers, r)} for r in ranks}
+        results.append(row)
+    return {
+        "benchmark": "dmuon_step",
+        "backend": "gloo/cpu",
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    print(json.dumps(run(tuple(args.sizes), tuple(args.ranks), args.layers, args.steps), indent=2))
+
+
+if __name__ == "__main__":
+    main()
