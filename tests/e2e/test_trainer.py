@@ -6,6 +6,7 @@ import pytest
 import torch
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 import ray_fsdp_backend as rfb
 from tests.e2e.train_fns import reference_toy, train_toy
@@ -15,26 +16,27 @@ pytestmark = pytest.mark.e2e
 STEPS = 3
 
 
-def _fit(cfg: rfb.FSDPConfig, num_workers: int = 2):
-    trainer = TorchTrainer(
-        train_toy,
-        train_loop_config={"steps": STEPS},
-        torch_config=cfg,
-        scaling_config=ScalingConfig(num_workers=num_workers),
-    )
-    return trainer.fit().return_value
+def _torch_trainer(cfg: rfb.FSDPConfig, **kwargs):
+    return TorchTrainer(train_toy, torch_config=cfg, **kwargs)
+
+
+def _data_parallel_trainer(cfg: rfb.FSDPConfig, **kwargs):
+    return DataParallelTrainer(train_toy, backend_config=cfg, **kwargs)
 
 
 @pytest.mark.parametrize(
-    "cfg, strategy",
+    "make_trainer, cfg, strategy",
     [
-        (rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False), "FSDPStrategy"),
-        (rfb.FSDPConfig(use_fsdp=False), "DDPStrategy"),
+        (_torch_trainer, rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False), "FSDPStrategy"),
+        (_data_parallel_trainer, rfb.FSDPConfig(use_fsdp=False), "DDPStrategy"),
     ],
-    ids=["fsdp", "ddp"],
+    ids=["fsdp-TorchTrainer", "ddp-DataParallelTrainer"],
 )
-def test_trainer_matches_single_process(ray_local, cfg, strategy):
-    out = _fit(cfg)
+def test_trainer_matches_single_process(ray_local, make_trainer, cfg, strategy):
+    trainer = make_trainer(
+        cfg, train_loop_config={"steps": STEPS}, scaling_config=ScalingConfig(num_workers=2)
+    )
+    out = trainer.fit().return_value
     assert out["strategy"] == strategy
     want = reference_toy(STEPS)
     for name, value in want.items():
