@@ -22,6 +22,8 @@ import torch.optim._muon as torch_muon
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
 from ray_fsdp_backend import dmuon
 from ray_fsdp_backend.config import FSDPConfig
@@ -90,20 +92,25 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
 
 
-def train(model, optimizer, steps, *, no_sync, clip, rank=0, world_size=1) -> list[float]:
-    """The shared schedule; returns the clipped step's total norm."""
-    norms = []
+def train(model, optimizer, steps, *, no_sync, clip, rank=0, world_size=1, log=None) -> dict:
+    """The shared schedule. Returns ``log`` with the clipped step's total norm
+    (``norms``) and, after each ``no_sync`` micro-batch, whether any parameter
+    already had a (reduced, sharded) gradient (``reduced_in_no_sync``)."""
+    log = {"norms": [], "reduced_in_no_sync": []} if log is None else log
     for step in steps:
         micro = 2 if step == ACCUM_STEP else 1
         for k in range(micro):
             quiet = no_sync(model) if k < micro - 1 else nullcontext()
             with quiet:
                 (loss_of(model, batch(step, k, rank, world_size)) / micro).backward()
+            if k < micro - 1:
+                reduced = any(p.grad is not None for p in model.parameters())
+                log["reduced_in_no_sync"].append(reduced)
         if step == CLIP_STEP:
-            norms.append(float(clip(model, optimizer)))
+            log["norms"].append(float(clip(model, optimizer)))
         optimizer.step()
         optimizer.zero_grad()
-    return norms
+    return log
 
 
 # ----------------------------------------------------------------- reference
@@ -143,14 +150,14 @@ class TorchPair:
 def reference():
     model = make_model()
     with mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", fp32_newton_schulz):
-        norms = train(
+        log = train(
             model,
             TorchPair(model),
             range(STEPS),
             no_sync=lambda m: nullcontext(),
             clip=lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM),
         )
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, log["norms"]
 
 
 # ------------------------------------------------------------ on every rank
@@ -203,7 +210,9 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
         no_sync = dmuon.no_sync
     counter = CountingNS()
     with mock.patch.object(newton_schulz, "zeropower_via_newtonschulz", counter):
-        train(model, opt, range(1), no_sync=no_sync, clip=clip, rank=rank, world_size=world_size)
+        log = train(
+            model, opt, range(1), no_sync=no_sync, clip=clip, rank=rank, world_size=world_size
+        )
     first_step = dict(
         names=opt.last_step_stats.orthogonalized,
         ns_matrices=counter.matrices,
@@ -211,7 +220,7 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
         bytes_sent=opt.last_step_stats.bytes_sent,
         replica=strategy.mesh.get_local_rank(0) if hybrid else 0,
     )
-    norms = train(
+    train(
         model,
         opt,
         range(1, CKPT_AFTER),
@@ -219,11 +228,12 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
         clip=clip,
         rank=rank,
         world_size=world_size,
+        log=log,
     )
     if ckpt_dir is not None:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir)
-    norms += train(
+    train(
         model,
         opt,
         range(CKPT_AFTER, STEPS),
@@ -231,12 +241,13 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
         clip=clip,
         rank=rank,
         world_size=world_size,
+        log=log,
     )
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, first_step)
     return dict(
         params=full_params(model),
-        norms=norms,
+        **log,
         per_rank=per_rank,
         groups=[g["name"] for g in opt.param_groups],
     )
@@ -275,6 +286,21 @@ def mismatched_plan(rank, world_size) -> str:
     return "no error"
 
 
+def column_sharded(rank, world_size) -> str:
+    """Blocks sharded on dim 1: rejected with the parameter's name, before
+    any collective (the same on every rank)."""
+    mesh = build_mesh(world_size, hybrid=False)
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    fully_shard(model, mesh=mesh)
+    try:
+        dmuon.Muon(model, lr=0.01)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def on_ranks(rank, world_size, ckpt_save=None, ckpt_load=None) -> dict:
     out = {
         mode: run_config(rank, world_size, mode == "hybrid", ckpt_save if mode == "full" else None)
@@ -285,6 +311,7 @@ def on_ranks(rank, world_size, ckpt_save=None, ckpt_load=None) -> dict:
         errors = [None] * world_size
         dist.all_gather_object(errors, mismatched_plan(rank, world_size))
         out["mismatch_errors"] = errors
+        out["placement_error"] = column_sharded(rank, world_size)
     return out
 
 
@@ -323,6 +350,8 @@ def test_matches_torch_muon_and_adamw(runs, reference, world_size, mode):
     # One global norm over Muon and AdamW gradients, equal to the full model's.
     assert result["norms"] == pytest.approx(ref_norms, rel=1e-5)
     assert ref_norms[0] > MAX_NORM  # the clipped step did clip
+    # no_sync really deferred the reduction (numbers alone cannot tell).
+    assert result["reduced_in_no_sync"] == [False]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -352,3 +381,8 @@ def test_checkpoint_at_4_ranks_resumes_at_2(runs, reference):
 def test_ranks_with_different_plans_all_raise(runs):
     errors = runs[2]["mismatch_errors"]
     assert all("different ownership plans" in e for e in errors), errors
+
+
+def test_params_not_sharded_on_rows_are_rejected(runs):
+    error = runs[2]["placement_error"]
+    assert "'blocks.0.up.weight' has placements (Shard(dim=1),)" in error, error
