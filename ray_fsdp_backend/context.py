@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_fsdp_backend import checkpoint as _checkpoint
 from ray_fsdp_backend.config import FSDPConfig
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.topology import MeshLayout, Topology
@@ -65,6 +66,41 @@ class TrainContext:
     def no_sync(self, model: nn.Module):
         """Context manager for accumulation micro-batches."""
         return self.strategy.no_sync(model)
+
+    def save_checkpoint(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        metrics: dict,
+        *,
+        extra_state: dict | None = None,
+    ) -> None:
+        """Write a sharded checkpoint (every rank its own shard, plus its RNG
+        state and ``extra_state``: step, data position, scheduler state) and
+        report it to Ray with ``metrics``. Every rank calls it at the same step;
+        see :mod:`ray_fsdp_backend.checkpoint`."""
+        _checkpoint.save_checkpoint(
+            model,
+            optimizer,
+            metrics,
+            extra_state=extra_state,
+            strategy=type(self.strategy).__name__,
+        )
+
+    def restore_checkpoint(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict | None:
+        """Load the newest complete checkpoint of the run into ``model`` and
+        ``optimizer`` (resharding if the world size or strategy changed) and
+        restore RNG state; returns the saved ``extra_state``, or None when there
+        is nothing to resume. Every rank calls it."""
+        return _checkpoint.restore_checkpoint(model, optimizer)
+
+    def export_model(self, model: nn.Module, path: str) -> str:
+        """Write the full, unsharded weights once (rank 0) as a safetensors file
+        that loads into the plain model without this package. Every rank calls
+        it; returns ``path``."""
+        return _checkpoint.export_model(model, path)
 
 
 def get_context() -> TrainContext:

@@ -1,0 +1,110 @@
+"""Checkpoints of a Ray Train run: where they live and how Ray learns of them.
+
+Every Ray Train quirk the checkpoint code depends on is handled here
+(measured on Ray 2.60, Train V2):
+
+- ``ray.train.report`` synchronises ranks only at its start (agreeing on the
+  directory name); each rank then uploads its own files and returns. A marker
+  written after ``report`` could race the uploads, so ranks write their
+  shards straight into the run's storage, rank 0 writes ``COMPLETE`` after a
+  barrier, and only then do all ranks report the finished directory with
+  ``CheckpointUploadMode.NO_UPLOAD``. Ray therefore never registers an
+  incomplete checkpoint.
+- Ray registers a report asynchronously (the controller polls the workers):
+  a worker that dies right after ``report`` returned can make the restarted
+  group get the checkpoint before that one from ``ray.train.get_checkpoint()``.
+  Restore therefore takes the newest complete checkpoint in the run's storage
+  (``ray.train.get_context().get_storage()``, a DeveloperAPI) and falls back
+  to the handed one (e.g. ``resume_from_checkpoint``) only when the run has
+  none of its own. A checkpoint completed but never registered is not
+  counted by ``CheckpointConfig.num_to_keep``; it stays in storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import Any
+
+import ray.train
+import torch
+from torch import nn
+
+from ray_fsdp_backend.checkpoint.layout import choose_resume
+from ray_fsdp_backend.checkpoint.sharded import broadcast_from_rank0, load_sharded, save_sharded
+from ray_fsdp_backend.checkpoint.store import CheckpointStore
+
+_logger = logging.getLogger(__name__)
+
+
+def run_store() -> CheckpointStore:
+    """The store of this run: ``RunConfig(storage_path, name)``'s directory."""
+    storage = ray.train.get_context().get_storage()
+    return CheckpointStore(storage.storage_filesystem, storage.experiment_fs_path)
+
+
+def handed_store(checkpoint: ray.train.Checkpoint) -> tuple[CheckpointStore, str]:
+    """A Ray ``Checkpoint`` as (store of its parent directory, its name)."""
+    path = PurePosixPath(checkpoint.path)
+    return CheckpointStore(checkpoint.filesystem, str(path.parent)), path.name
+
+
+def save_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    metrics: Mapping[str, Any],
+    *,
+    extra_state: Mapping[str, Any] | None = None,
+    strategy: str = "",
+) -> None:
+    """Write a sharded checkpoint into the run's storage, commit it, then
+    report it with ``metrics`` from every rank (see the module docstring)."""
+    store = run_store()
+    name = save_sharded(store, model, optimizer, extra_state=extra_state, strategy=strategy)
+    ray.train.report(
+        dict(metrics),
+        checkpoint=ray.train.Checkpoint(path=store.path(name), filesystem=store.fs),
+        checkpoint_dir_name=name,
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+    )
+
+
+def restore_checkpoint(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any] | None:
+    """Load the newest complete checkpoint of the run (or the one Ray handed
+    it) into ``model`` and ``optimizer``; returns this rank's extra state, or
+    None when there is nothing to resume. Rank 0 chooses, so every rank loads
+    the same checkpoint. Collective."""
+    handed = ray.train.get_checkpoint()
+    store = run_store()
+
+    def choose():
+        handed_marker = None if handed is None else _marker_of(handed)
+        return choose_resume(store.read_markers(), handed_marker, handed is not None)
+
+    choice = broadcast_from_rank0(choose)
+    if choice is None:
+        return None
+    if choice.handed:
+        store, name = handed_store(handed)
+    else:
+        name = choice.name
+    _log_choice(store, name, handed)
+    return load_sharded(store, name, model, optimizer)
+
+
+def _marker_of(checkpoint: ray.train.Checkpoint) -> str | None:
+    store, name = handed_store(checkpoint)
+    return store.read_marker(name)
+
+
+def _log_choice(store: CheckpointStore, name: str, handed) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    handed_name = None if handed is None else PurePosixPath(handed.path).name
+    _logger.info(
+        "ray_fsdp_backend: resuming from %s (Ray handed %s)", store.path(name), handed_name
+    )
