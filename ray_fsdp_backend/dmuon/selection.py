@@ -13,14 +13,21 @@ NamedParams = list[tuple[str, nn.Parameter]]
 
 
 def block_prefixes(model: nn.Module) -> tuple[str, ...]:
-    """Names of the model's sharded blocks: every FSDP2 unit below the root;
-    for a model not wrapped (yet), every child of an ``nn.ModuleList``, the
-    per-block policy's default (:func:`~ray_fsdp_backend.strategies.blocks.find_blocks`)."""
+    """Names of the model's sharded blocks: every FSDP2 unit nested inside
+    another unit (the outermost units keep embeddings, head and final norm).
+    For a model without nested units, every child of an ``nn.ModuleList``,
+    the per-block policy's default
+    (:func:`~ray_fsdp_backend.strategies.blocks.find_blocks`)."""
+    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    nested = tuple(u for u in units if any(_is_ancestor(v, u) for v in units))
+    if nested:
+        return nested
     names = {id(m): name for name, m in model.named_modules()}
-    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule) and name]
-    if units:
-        return tuple(units)
     return tuple(names[id(b)] for b in find_blocks(model))
+
+
+def _is_ancestor(outer: str, inner: str) -> bool:
+    return outer != inner and (outer == "" or inner.startswith(outer + "."))
 
 
 def default_dedicated(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:

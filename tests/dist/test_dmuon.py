@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard
 from ray_fsdp_backend import dmuon
 from ray_fsdp_backend.config import FSDPConfig
 from ray_fsdp_backend.dmuon import newton_schulz
+from ray_fsdp_backend.strategies import build_strategy
 from ray_fsdp_backend.strategies.dmuon import DMuonFSDPStrategy
 from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS
 from tests.dist.harness import run_ranks
@@ -174,7 +175,8 @@ def build(world_size: int, hybrid: bool):
     """The DMuon strategy's wrap of the test model, and its optimizer."""
     mesh = build_mesh(world_size, hybrid)
     config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=False)
-    strategy = DMuonFSDPStrategy(config, device=torch.device("cpu"), mesh=mesh)
+    strategy = build_strategy(config, device=torch.device("cpu"), local_rank=0, mesh=mesh)
+    assert isinstance(strategy, DMuonFSDPStrategy)
     model = strategy.wrap(make_model())
     optimizer = dmuon.Muon(
         model, **HYPER, ns_dtype=torch.float32, **{f"adamw_{k}": v for k, v in ADAMW.items()}

@@ -119,3 +119,12 @@ def test_clip_grad_norm_clips_all_groups_with_one_norm():
 def test_bad_arguments_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dmuon.Muon(reference_model(), **{"lr": 0.02, **kwargs})
+
+
+def test_blocks_are_the_nested_units_or_module_list_children():
+    from ray_fsdp_backend.dmuon.selection import _is_ancestor, block_prefixes
+
+    assert block_prefixes(reference_model()) == ("layers.0", "layers.1")
+    assert _is_ancestor("", "layers.0") and _is_ancestor("model", "model.layers.0")
+    assert not _is_ancestor("model.layers.1", "model.layers.10")
+    assert not _is_ancestor("layers.0", "layers.0")
