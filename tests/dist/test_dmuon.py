@@ -5,8 +5,9 @@ on the rest) on the full batch, with fp32 Newton–Schulz on both sides.
 One spawn per world size; each runs FSDP (1-D mesh) and HSDP (2-D mesh)
 through a 4-step schedule: a plain step, a step accumulated over two
 micro-batches under ``no_sync``, a globally clipped step, a plain step. The
-4-rank run also saves a DCP checkpoint after step 2, which the 2-rank run
-resumes (owners re-planned at the new size).
+4-rank run also saves a sharded DCP checkpoint (the project's
+``save_sharded``) after step 2, which the 2-rank run resumes with
+``load_sharded`` (owners re-planned at the new size).
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.optim._muon as torch_muon
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from ray_fsdp_backend import dmuon
+from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
 from ray_fsdp_backend.config import FSDPConfig
 from ray_fsdp_backend.dmuon import newton_schulz
 from ray_fsdp_backend.strategies import build_strategy
@@ -233,8 +233,7 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
         log=log,
     )
     if ckpt_dir is not None:
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir)
+        save_sharded(CheckpointStore.local(ckpt_dir), model, opt, strategy="dmuon")
     train(
         model,
         opt,
@@ -258,10 +257,8 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
 def resume(rank, world_size, ckpt_dir) -> dict:
     """Load the checkpoint saved by the other world size and finish the run."""
     _, model, opt = build(world_size, hybrid=False)
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=ckpt_dir)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    store = CheckpointStore.local(ckpt_dir)
+    load_sharded(store, find_latest(store), model, opt)
     train(
         model,
         opt,
