@@ -1,0 +1,87 @@
+"""Pure checkpoint decisions: names, completeness, resume choice, key mismatches."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_fsdp_backend.checkpoint.layout import (
+    checkpoint_name,
+    choose_resume,
+    compute_key_mismatch,
+    decode_marker,
+    encode_marker,
+    newest_complete,
+    next_checkpoint_name,
+    stale_partials,
+)
+from ray_fsdp_backend.checkpoint.store import CheckpointStore
+
+DONE = encode_marker(world_size=2, strategy="FSDPStrategy", step=4)
+
+
+def test_names_sort_in_save_order_and_skip_partials():
+    assert checkpoint_name(7) == "checkpoint_000007"
+    assert next_checkpoint_name([]) == "checkpoint_000001"
+    # A partial directory (3) is never reused; foreign names are ignored.
+    names = ["checkpoint_000001", "checkpoint_000003", "checkpoint_2025-01-01_00-00", "x"]
+    assert next_checkpoint_name(names) == "checkpoint_000004"
+    assert next_checkpoint_name(["checkpoint_1000000"]) == "checkpoint_1000001"
+
+
+def test_marker_round_trip_and_cut_short_marker_is_incomplete():
+    assert decode_marker(DONE)["step"] == 4
+    assert decode_marker(None) is None
+    assert decode_marker(DONE[: len(DONE) // 2]) is None
+    assert decode_marker('{"world_size": "2"}') is None
+
+
+def test_newest_complete_ignores_incomplete_newer_ones():
+    markers = {
+        "checkpoint_000002": DONE,
+        "checkpoint_000010": DONE,
+        "checkpoint_000011": None,  # crashed during save
+        "checkpoint_000012": DONE[:5],  # marker cut short
+    }
+    assert newest_complete(markers) == "checkpoint_000010"
+    assert newest_complete({"checkpoint_000001": None}) is None
+    assert stale_partials(markers, "checkpoint_000013") == [
+        "checkpoint_000011",
+        "checkpoint_000012",
+    ]
+    assert stale_partials(markers, "checkpoint_000011") == []
+
+
+def test_resume_prefers_newest_complete_of_the_run_over_rays_handed_one():
+    run = {"checkpoint_000001": DONE, "checkpoint_000002": DONE}
+    assert choose_resume(run, DONE, has_handed=True).name == "checkpoint_000002"
+    assert choose_resume({}, None, has_handed=False) is None
+    assert choose_resume({"checkpoint_000001": None}, DONE, has_handed=True).handed
+    with pytest.raises(ValueError, match="COMPLETE"):
+        choose_resume({}, None, has_handed=True)
+
+
+def test_key_mismatch_names_missing_unexpected_and_wrong_shapes():
+    want = {"model.a": (2, 3), "model.b": (4,), "model.c": None, "optim.param_groups.0.lr": None}
+    have = {"model.a": (3, 3), "model.c": None, "model.z": (1,), "other.x": (1,)}
+    mismatch = compute_key_mismatch(want, have, ("model.",))
+    assert mismatch.missing == ("model.b",)
+    assert mismatch.unexpected == ("model.z",)
+    assert mismatch.wrong_shape == (("model.a", (2, 3), (3, 3)),)
+    text = mismatch.describe()
+    assert "missing in checkpoint: model.b" in text
+    assert "not in model: model.z" in text
+    assert "model.a (model [2, 3], checkpoint [3, 3])" in text
+    assert not compute_key_mismatch(want, want, ("model.",))
+    many = compute_key_mismatch({f"model.k{i}": (1,) for i in range(15)}, {}, ("model.",))
+    assert "and 5 more" in many.describe(limit=10)
+
+
+def test_store_lists_checkpoints_and_writes_whole_markers(tmp_path):
+    store = CheckpointStore.local(tmp_path)
+    assert store.list_checkpoints() == []
+    for name in ("checkpoint_000001", "checkpoint_000002", "not_a_checkpoint"):
+        (tmp_path / name).mkdir()
+    store.write_marker("checkpoint_000001", DONE)
+    assert store.read_markers() == {"checkpoint_000001": DONE, "checkpoint_000002": None}
+    assert not list(tmp_path.glob("**/*.tmp"))
+    assert CheckpointStore.local(tmp_path / "absent").list_checkpoints() == []
