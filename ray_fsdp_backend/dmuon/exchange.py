@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ray_fsdp_backend.dmuon.plan import OwnershipPlan, chunk_rows
+from ray_fsdp_backend.dmuon.plan import OwnershipPlan, compute_rank_layout
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ class ShardExchange:
         self.shard = shard
         self.dtype = dtype
         self.device = device
-        self._send = plan.send_splits(shard.rank)
-        self._recv = plan.recv_splits(shard.rank)
+        self.layout = compute_rank_layout(plan, shard.rank)
         self.bytes_sent = 0
         """Bytes sent to other ranks since the last ``to_owners`` (one step)."""
         self.bytes_received = 0
@@ -133,35 +132,34 @@ class ShardExchange:
         """Full matrices this rank owns, keyed by plan index, assembled from
         every rank's ``shards`` (this rank's rows of every matrix, in plan
         order)."""
-        plan, me = self.plan, self.shard.rank
+        lay = self.layout
         self.bytes_sent = self.bytes_received = 0
-        order = [i for owner in range(plan.num_ranks) for i in plan.owned_by(owner)]
-        received = self._all_to_all([shards[i].reshape(-1) for i in order], self._recv, self._send)
-        pieces: dict[int, list[torch.Tensor]] = {i: [] for i in plan.owned_by(me)}
-        for src, chunk in enumerate(received.split(self._recv)):
-            sizes = [plan.local_numel(i, src) for i in plan.owned_by(me)]
-            for i, piece in zip(plan.owned_by(me), chunk.split(sizes), strict=True):
-                pieces[i].append(piece.view(-1, plan.matrices[i].shape[1]))
+        outgoing = [shards[i].reshape(-1) for i in lay.send_order]
+        received = self._all_to_all(outgoing, lay.recv_splits, lay.send_splits)
+        pieces: dict[int, list[torch.Tensor]] = {i: [] for i in lay.owned}
+        for src, chunk in enumerate(received.split(lay.recv_splits)):
+            for i, piece in zip(lay.owned, chunk.split(lay.recv_sizes[src]), strict=True):
+                pieces[i].append(piece.view(-1, self.plan.matrices[i].shape[1]))
         return {i: torch.cat(rows) for i, rows in pieces.items()}
 
     def to_shards(self, full: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         """This rank's rows of every matrix (flat, in plan order), cut from the
         owners' ``full`` results."""
-        plan, me = self.plan, self.shard.rank
+        lay = self.layout
         outgoing = [
-            full[i][slice(*chunk_rows(plan.matrices[i].shape[0], plan.num_ranks)[dst])].reshape(-1)
-            for dst in range(plan.num_ranks)
-            for i in plan.owned_by(me)
+            full[i][slice(*lay.row_ranges[i][dst])].reshape(-1)
+            for dst in range(self.plan.num_ranks)
+            for i in lay.owned
         ]
-        received = self._all_to_all(outgoing, self._send, self._recv)
-        shards: list[torch.Tensor | None] = [None] * len(plan.matrices)
-        for owner, chunk in enumerate(received.split(self._send)):
-            sizes = [plan.local_numel(i, me) for i in plan.owned_by(owner)]
-            for i, piece in zip(plan.owned_by(owner), chunk.split(sizes), strict=True):
+        received = self._all_to_all(outgoing, lay.send_splits, lay.recv_splits)
+        shards: list[torch.Tensor | None] = [None] * len(self.plan.matrices)
+        for owner, chunk in enumerate(received.split(lay.send_splits)):
+            owned = self.plan.owned_by(owner)
+            for i, piece in zip(owned, chunk.split(lay.send_sizes[owner]), strict=True):
                 shards[i] = piece
         return shards
 
-    def _all_to_all(self, parts: list[torch.Tensor], recv: list[int], send: list[int]):
+    def _all_to_all(self, parts: list[torch.Tensor], recv: tuple[int, ...], send: tuple[int, ...]):
         # A rank that owns nothing still takes part (it sends and receives rows).
         buf = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)
         me, itemsize = self.shard.rank, buf.element_size()
@@ -170,5 +168,5 @@ class ShardExchange:
         if self.shard.size == 1:
             return buf
         out = buf.new_empty(sum(recv))
-        dist.all_to_all_single(out, buf, recv, send, group=self.shard.process_group)
+        dist.all_to_all_single(out, buf, list(recv), list(send), group=self.shard.process_group)
         return out

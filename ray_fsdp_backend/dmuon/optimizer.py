@@ -40,8 +40,8 @@ from ray_fsdp_backend.dmuon.exchange import ShardExchange, ShardGroup, resolve_s
 from ray_fsdp_backend.dmuon.plan import (
     MatrixSpec,
     OwnershipPlan,
-    chunk_rows,
     compute_ownership_plan,
+    row_range,
 )
 from ray_fsdp_backend.dmuon.selection import select_parameters
 
@@ -280,7 +280,7 @@ def _shard_rows_error(
     """Why this rank's shards do not match the plan's ``torch.chunk`` rows, or
     None. Checked collectively so that a mismatch on one rank fails all."""
     for (name, p), spec in zip(dedicated, plan.matrices, strict=True):
-        start, stop = chunk_rows(spec.shape[0], plan.num_ranks)[shard.rank]
+        start, stop = row_range(spec.shape[0], plan.num_ranks, shard.rank)
         expected = (stop - start, spec.shape[1])
         if tuple(_local(p).shape) != expected:
             return (

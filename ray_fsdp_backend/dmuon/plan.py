@@ -39,10 +39,15 @@ def ns_cost(shape: tuple[int, int], ns_steps: int = 5) -> int:
     return ns_steps * (2 * m * m * n + m * m * m)
 
 
+def row_range(rows: int, num_ranks: int, rank: int) -> tuple[int, int]:
+    """``(start, stop)`` of the rows ``rank`` holds under ``torch.chunk``."""
+    size = -(-rows // num_ranks)
+    return min(rows, rank * size), min(rows, (rank + 1) * size)
+
+
 def chunk_rows(rows: int, num_ranks: int) -> tuple[tuple[int, int], ...]:
     """``(start, stop)`` of the rows each rank holds under ``torch.chunk``."""
-    size = -(-rows // num_ranks)
-    return tuple((min(rows, r * size), min(rows, (r + 1) * size)) for r in range(num_ranks))
+    return tuple(row_range(rows, num_ranks, r) for r in range(num_ranks))
 
 
 @dataclass(frozen=True)
@@ -78,21 +83,8 @@ class OwnershipPlan:
     def local_numel(self, index: int, rank: int) -> int:
         """Elements of matrix ``index`` held by ``rank``."""
         rows, cols = self.matrices[index].shape
-        start, stop = chunk_rows(rows, self.num_ranks)[rank]
+        start, stop = row_range(rows, self.num_ranks, rank)
         return (stop - start) * cols
-
-    def send_splits(self, rank: int) -> list[int]:
-        """Elements ``rank`` sends to each owner when shards go to owners (and
-        receives from each owner when orthogonalised rows come back)."""
-        return [
-            sum(self.local_numel(i, rank) for i in self.owned_by(owner))
-            for owner in range(self.num_ranks)
-        ]
-
-    def recv_splits(self, rank: int) -> list[int]:
-        """Elements owner ``rank`` receives from each rank (and sends back)."""
-        owned = self.owned_by(rank)
-        return [sum(self.local_numel(i, src) for i in owned) for src in range(self.num_ranks)]
 
     def ns_batches(self, rank: int) -> dict[tuple[int, int], tuple[int, ...]]:
         """Matrices ``rank`` owns grouped by shape: each group is one batched
@@ -145,3 +137,43 @@ def _check_specs(matrices: Sequence[MatrixSpec]) -> None:
         if spec.name in seen:
             raise ValueError(f"dedicated parameter name {spec.name!r} appears twice")
         seen.add(spec.name)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """How one rank packs and unpacks the two exchanges of a plan, computed
+    once so that a step does no per-matrix arithmetic over all ranks.
+
+    Shards to owners: this rank sends ``send_order`` (its rows of every
+    matrix, grouped by owner) in ``send_splits``; as an owner it receives
+    ``recv_splits``, and from rank ``src`` the rows of its owned matrices in
+    sizes ``recv_sizes[src]``. The way back is the same with the roles
+    swapped: it sends ``recv_splits``, cutting each owned matrix ``i`` at
+    ``row_ranges[i]``, and receives ``send_splits``, unpacked by owner in
+    sizes ``send_sizes[owner]``.
+    """
+
+    owned: tuple[int, ...]
+    send_order: tuple[int, ...]
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    recv_sizes: tuple[tuple[int, ...], ...]
+    send_sizes: tuple[tuple[int, ...], ...]
+    row_ranges: dict[int, tuple[tuple[int, int], ...]]
+
+
+def compute_rank_layout(plan: OwnershipPlan, rank: int) -> RankLayout:
+    """The exchange layout of ``rank`` under ``plan``."""
+    n = plan.num_ranks
+    owned = plan.owned_by(rank)
+    send_sizes = tuple(tuple(plan.local_numel(i, rank) for i in plan.owned_by(o)) for o in range(n))
+    recv_sizes = tuple(tuple(plan.local_numel(i, src) for i in owned) for src in range(n))
+    return RankLayout(
+        owned=owned,
+        send_order=tuple(i for o in range(n) for i in plan.owned_by(o)),
+        send_splits=tuple(sum(sizes) for sizes in send_sizes),
+        recv_splits=tuple(sum(sizes) for sizes in recv_sizes),
+        recv_sizes=recv_sizes,
+        send_sizes=send_sizes,
+        row_ranges={i: chunk_rows(plan.matrices[i].shape[0], n) for i in owned},
+    )

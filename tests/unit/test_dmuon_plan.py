@@ -11,6 +11,7 @@ from ray_fsdp_backend.dmuon.plan import (
     MatrixSpec,
     chunk_rows,
     compute_ownership_plan,
+    compute_rank_layout,
     ns_cost,
 )
 
@@ -71,14 +72,20 @@ def test_owners_depend_on_names_and_shapes_not_on_order():
 @pytest.mark.parametrize("n", [1, 2, 4, 16])
 def test_exchange_layout_is_consistent_between_senders_and_owners(n):
     plan = compute_ownership_plan(SPECS, n)
-    for owner in range(n):
+    layouts = [compute_rank_layout(plan, r) for r in range(n)]
+    for owner, lay in enumerate(layouts):
         # What each rank sends to ``owner`` is what ``owner`` expects from it.
-        assert [plan.send_splits(src)[owner] for src in range(n)] == plan.recv_splits(owner)
-        full = sum(SPECS[i].shape[0] * SPECS[i].shape[1] for i in plan.owned_by(owner))
-        assert sum(plan.recv_splits(owner)) == full
-    for src in range(n):
+        assert tuple(layouts[src].send_splits[owner] for src in range(n)) == lay.recv_splits
+        assert lay.recv_sizes == tuple(layouts[src].send_sizes[owner] for src in range(n))
+        full = sum(SPECS[i].shape[0] * SPECS[i].shape[1] for i in lay.owned)
+        assert sum(lay.recv_splits) == full
+        for i in lay.owned:
+            assert lay.row_ranges[i] == chunk_rows(SPECS[i].shape[0], n)
+    for src, lay in enumerate(layouts):
+        assert sorted(lay.send_order) == list(range(len(SPECS)))
+        assert [plan.owners[i] for i in lay.send_order] == sorted(plan.owners)
         held = sum(plan.local_numel(i, src) for i in range(len(SPECS)))
-        assert sum(plan.send_splits(src)) == held
+        assert sum(lay.send_splits) == held
 
 
 def test_more_ranks_than_rows_leaves_empty_shards():
