@@ -92,8 +92,9 @@ def _global_sq_norm(entries: list[tuple]) -> tuple[torch.Tensor, int]:
     collectives = 0
     # Sorted so that every rank reduces buckets in the same order.
     for (mesh, axes), tensors in sorted(buckets.items(), key=_bucket_order):
-        norms = torch._foreach_norm(tensors, 2.0)
-        sq = torch.stack([n.float().to(device) for n in norms]).pow(2).sum()
+        # Accumulate in fp32 whatever the gradients' dtype (bf16 norms lose digits).
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        sq = torch.stack([n.to(device) for n in norms]).pow(2).sum()
         if mesh is not None:
             sq = sq.to(tensors[0].device)
             for axis in axes:
