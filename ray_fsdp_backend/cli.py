@@ -269,17 +269,40 @@ def build_datasets(spec: RunSpec) -> dict | None:
 
 def write_outputs(result, history: list[dict]) -> dict[str, str]:
     """``metrics.jsonl`` and ``loss_curve.png`` in the run directory (any
-    storage Ray supports: its ``pyarrow`` filesystem writes them)."""
+    storage Ray supports: its ``pyarrow`` filesystem writes them). A resumed
+    run extends the history of the run it resumed."""
     if not history:
         return {}
     fs, root = result.filesystem, result.path
     metrics_path = f"{root}/metrics.jsonl"
+    history = merge_history(read_history(fs, metrics_path), history)
     with fs.open_output_stream(metrics_path) as f:
         f.write("".join(json.dumps(m) + "\n" for m in history).encode())
+    outputs = {"metrics": metrics_path}
+    try:
+        png = render_loss_curve(history)
+    except ImportError:
+        print("matplotlib is not installed: no loss curve (pip install 'ray_fsdp_backend[plot]')")
+        return outputs
     plot_path = f"{root}/loss_curve.png"
     with fs.open_output_stream(plot_path) as f:
-        f.write(render_loss_curve(history))
-    return {"metrics": metrics_path, "loss curve": plot_path}
+        f.write(png)
+    return {**outputs, "loss curve": plot_path}
+
+
+def read_history(fs, path: str) -> list[dict]:
+    import pyarrow.fs
+
+    if fs.get_file_info(path).type == pyarrow.fs.FileType.NotFound:
+        return []
+    with fs.open_input_stream(path) as f:
+        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+
+
+def merge_history(old: list[dict], new: list[dict]) -> list[dict]:
+    """The earlier run's entries before the resumed run's first step, then the new ones."""
+    first = new[0]["step"]
+    return [m for m in old if m["step"] < first] + new
 
 
 def render_loss_curve(history: list[dict]) -> bytes:

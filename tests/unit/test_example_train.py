@@ -1,0 +1,114 @@
+"""The example train loop's pieces in one process: schedule, steps, checkpoint hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_fsdp_backend.cli import merge_history
+from ray_fsdp_backend.example import train
+from ray_fsdp_backend.example.data import ShardedBatches, load_corpus
+from ray_fsdp_backend.example.model import Transformer
+from ray_fsdp_backend.example.spec import TrainOptions, load_spec
+
+CPU_TINY = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
+
+
+class FakeContext:
+    """The parts of TrainContext the loop uses, for one process without a backend."""
+
+    def __init__(self):
+        self.device, self.world_rank, self.no_sync_calls = torch.device("cpu"), 0, 0
+        self.strategy = type("S", (), {"params_sharded": True})()
+        self.config = None
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        self.no_sync_calls += 1
+        yield
+
+    def clip_grad_norm(self, model, max_norm, optimizer=None):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def test_lr_warms_up_linearly_then_decays_to_the_floor():
+    opts = TrainOptions(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert train.lr_factor(0, opts) == pytest.approx(0.1)
+    assert train.lr_factor(9, opts) == pytest.approx(1.0)
+    assert train.lr_factor(10, opts) == pytest.approx(1.0)
+    assert train.lr_factor(55, opts) == pytest.approx(0.55)
+    assert train.lr_factor(100, opts) == pytest.approx(0.1)
+    factors = [train.lr_factor(s, opts) for s in range(10, 101)]
+    assert factors == sorted(factors, reverse=True)
+
+
+def test_train_step_accumulates_under_no_sync_and_lowers_the_loss():
+    small = ["model.dim=64", "model.n_layers=2", "model.seq_len=64"]
+    spec = load_spec(CPU_TINY, [*small, "train.grad_accum=2", "train.micro_batch_size=4"])
+    torch.manual_seed(0)
+    ctx, model = FakeContext(), Transformer(spec.model)
+    optimizer = train.build_optimizer(model, spec)
+    batches = ShardedBatches(load_corpus(), spec.model.seq_len, 4, 0, 1)
+    losses = [float(train.train_step(ctx, model, optimizer, batches, spec)[0]) for _ in range(15)]
+    assert ctx.no_sync_calls == 15  # one of the two micro-batches per step
+    assert batches.position == 15 * 2 * 4
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.0
+
+
+def test_adamw_decays_only_matrices():
+    spec = load_spec(CPU_TINY)
+    groups = train.build_optimizer(Transformer(spec.model), spec).param_groups
+    assert all(p.ndim == 2 for p in groups[0]["params"]) and groups[0]["weight_decay"] > 0
+    assert all(p.ndim == 1 for p in groups[1]["params"]) and groups[1]["weight_decay"] == 0
+
+
+def test_checkpoint_hooks_fall_back_to_plain_reports(monkeypatch):
+    reports = []
+    monkeypatch.setattr(train.ray.train, "report", lambda metrics: reports.append(metrics))
+    hooks = train.CheckpointHooks(object(), every=10)  # a context without checkpoint helpers
+    assert not hooks.due(10)
+    assert hooks.restore(None, None, None, None) == 0
+    hooks.report(10, None, None, {"loss": 1.0}, {"step": 10})
+    assert reports == [{"loss": 1.0}]
+
+
+def test_checkpoint_hooks_save_when_due_and_restore_position():
+    class Ctx(FakeContext):
+        saved = []
+
+        def save_checkpoint(self, model, optimizer, metrics, *, extra_state):
+            self.saved.append(extra_state)
+
+        def restore_checkpoint(self, model, optimizer):
+            return self.saved[-1] if self.saved else None
+
+    ctx = Ctx()
+    hooks = train.CheckpointHooks(ctx, every=5)
+    batches = ShardedBatches(load_corpus(), 32, 2, 0, 1, position=40)
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1), lambda s: 1)
+    state = {"step": 5, "data": batches.state_dict(), "schedule": sched.state_dict()}
+    hooks.report(5, None, None, {}, state)
+    assert ctx.saved == [state] and hooks.due(5) and not hooks.due(6)
+    fresh = ShardedBatches(load_corpus(), 32, 2, 0, 1)
+    assert hooks.restore(None, None, sched, fresh) == 5
+    assert fresh.position == 40
+
+
+def test_progress_line_and_resumed_history():
+    line = train.format_progress(
+        {"step": 7, "loss": 2.5, "grad_norm": 0.5, "lr": 1e-3, "tokens_per_s": 12345.6,
+         "eta_s": 75.0},
+        total_steps=100,
+    )  # fmt: skip
+    assert line == (
+        "step   7/100 | loss 2.5000 | grad norm 0.500 | lr 1.00e-03 | 12,346 tok/s | ETA 00:01:15"
+    )
+    old = [{"step": s} for s in (1, 10, 20, 30)]
+    assert merge_history(old, [{"step": 21}, {"step": 30}]) == [
+        {"step": 1}, {"step": 10}, {"step": 20}, {"step": 21}, {"step": 30}
+    ]  # fmt: skip
+    assert not math.isnan(train.lr_factor(0, TrainOptions(steps=1, warmup_steps=0)))
