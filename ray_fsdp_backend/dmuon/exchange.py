@@ -20,7 +20,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ray_fsdp_backend.dmuon.plan import OwnershipPlan, compute_rank_layout
+from ray_fsdp_backend.dmuon.plan import (
+    OwnershipPlan,
+    RankLayout,
+    compute_buckets,
+    compute_rank_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -81,20 +86,46 @@ def _shard_axis(name: str, p: DTensor, mesh: DeviceMesh) -> int:
     return sharded[0]
 
 
+@dataclass
+class PendingExchange:
+    """An all-to-all in flight: wait on ``work``, then read ``out``."""
+
+    work: dist.Work | None
+    out: torch.Tensor
+    layout: RankLayout
+    send: torch.Tensor  # kept alive until the exchange is done
+
+
 class ShardExchange:
-    """Moves per-matrix row shards to their owners and back, as the plan says."""
+    """Moves per-matrix row shards to their owners and back, bucket by bucket,
+    as the plan says. ``start_*`` issues an asynchronous all-to-all and
+    returns at once; ``finish_*`` waits for it and unpacks, so a caller can
+    orthogonalise one bucket while the next one travels. Every rank must
+    start the same buckets in the same order."""
 
     def __init__(
-        self, plan: OwnershipPlan, shard: ShardGroup, *, dtype: torch.dtype, device: torch.device
+        self,
+        plan: OwnershipPlan,
+        shard: ShardGroup,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_numel: int | None = None,
     ):
         self.plan = plan
         self.shard = shard
         self.dtype = dtype
         self.device = device
-        self.layout = compute_rank_layout(plan, shard.rank)
+        self.layouts = tuple(
+            compute_rank_layout(plan, shard.rank, bucket)
+            for bucket in compute_buckets(plan, bucket_numel)
+        )
         self.bytes_sent = 0
-        """Bytes sent to other ranks since the last ``to_owners`` (one step)."""
+        """Bytes sent to other ranks since the last ``reset_counters``."""
         self.bytes_received = 0
+
+    def reset_counters(self) -> None:
+        self.bytes_sent = self.bytes_received = 0
 
     def verify_consistent(self, local_error: str | None) -> None:
         """Check, collectively, that every rank of the mesh computed this plan
@@ -128,45 +159,59 @@ class ShardExchange:
                 "names or shapes differ between ranks"
             )
 
-    def to_owners(self, shards: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Full matrices this rank owns, keyed by plan index, assembled from
-        every rank's ``shards`` (this rank's rows of every matrix, in plan
-        order)."""
-        lay = self.layout
-        self.bytes_sent = self.bytes_received = 0
+    def start_to_owners(self, bucket: int, shards: list[torch.Tensor]) -> PendingExchange:
+        """Send this rank's rows (``shards``: one per matrix, in plan order)
+        of ``bucket``'s matrices to their owners."""
+        lay = self.layouts[bucket]
         outgoing = [shards[i].reshape(-1) for i in lay.send_order]
-        received = self._all_to_all(outgoing, lay.recv_splits, lay.send_splits)
+        return self._start(outgoing, lay.recv_splits, lay.send_splits, lay)
+
+    def finish_to_owners(self, pending: PendingExchange) -> dict[int, torch.Tensor]:
+        """The full matrices this rank owns in the bucket, keyed by plan index."""
+        lay = self._wait(pending)
         pieces: dict[int, list[torch.Tensor]] = {i: [] for i in lay.owned}
-        for src, chunk in enumerate(received.split(lay.recv_splits)):
+        for src, chunk in enumerate(pending.out.split(lay.recv_splits)):
             for i, piece in zip(lay.owned, chunk.split(lay.recv_sizes[src]), strict=True):
                 pieces[i].append(piece.view(-1, self.plan.matrices[i].shape[1]))
         return {i: torch.cat(rows) for i, rows in pieces.items()}
 
-    def to_shards(self, full: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's rows of every matrix (flat, in plan order), cut from the
-        owners' ``full`` results."""
-        lay = self.layout
+    def start_to_shards(self, bucket: int, full: dict[int, torch.Tensor]) -> PendingExchange:
+        """Send each rank its rows of the owned results ``full`` of ``bucket``."""
+        lay = self.layouts[bucket]
         outgoing = [
             full[i][slice(*lay.row_ranges[i][dst])].reshape(-1)
             for dst in range(self.plan.num_ranks)
             for i in lay.owned
         ]
-        received = self._all_to_all(outgoing, lay.send_splits, lay.recv_splits)
-        shards: list[torch.Tensor | None] = [None] * len(self.plan.matrices)
-        for owner, chunk in enumerate(received.split(lay.send_splits)):
-            owned = self.plan.owned_by(owner)
-            for i, piece in zip(owned, chunk.split(lay.send_sizes[owner]), strict=True):
-                shards[i] = piece
+        return self._start(outgoing, lay.send_splits, lay.recv_splits, lay)
+
+    def finish_to_shards(self, pending: PendingExchange) -> dict[int, torch.Tensor]:
+        """This rank's rows (flat) of every matrix of the bucket, by plan index."""
+        lay = self._wait(pending)
+        shards: dict[int, torch.Tensor] = {}
+        for owner, chunk in enumerate(pending.out.split(lay.send_splits)):
+            ids = lay.owners_of[owner]
+            shards.update(zip(ids, chunk.split(lay.send_sizes[owner]), strict=True))
         return shards
 
-    def _all_to_all(self, parts: list[torch.Tensor], recv: tuple[int, ...], send: tuple[int, ...]):
+    def _start(
+        self, parts: list[torch.Tensor], recv: tuple[int, ...], send: tuple[int, ...], lay
+    ) -> PendingExchange:
         # A rank that owns nothing still takes part (it sends and receives rows).
         buf = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)
         me, itemsize = self.shard.rank, buf.element_size()
         self.bytes_sent += (sum(send) - send[me]) * itemsize
         self.bytes_received += (sum(recv) - recv[me]) * itemsize
         if self.shard.size == 1:
-            return buf
+            return PendingExchange(work=None, out=buf, layout=lay, send=buf)
         out = buf.new_empty(sum(recv))
-        dist.all_to_all_single(out, buf, list(recv), list(send), group=self.shard.process_group)
-        return out
+        work = dist.all_to_all_single(
+            out, buf, list(recv), list(send), group=self.shard.process_group, async_op=True
+        )
+        return PendingExchange(work=work, out=out, layout=lay, send=buf)
+
+    @staticmethod
+    def _wait(pending: PendingExchange) -> RankLayout:
+        if pending.work is not None:
+            pending.work.wait()
+        return pending.layout

@@ -48,6 +48,9 @@ from ray_fsdp_backend.dmuon.selection import select_parameters
 MUON_GROUP = "muon"
 ADAMW_GROUP = "adamw"
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+# Matrix elements per exchange bucket: 64 MiB of bfloat16 travels while the
+# previous bucket is orthogonalised.
+DEFAULT_BUCKET_NUMEL = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class Muon(torch.optim.Optimizer):
         is_dedicated: ``(name, param) -> bool`` choosing the Muon matrices;
             default: 2-D weights inside the sharded blocks (see
             :func:`~ray_fsdp_backend.dmuon.selection.select_parameters`).
+        bucket_numel: matrix elements per exchange bucket (consecutive
+            matrices in model order; None: one bucket). Bounds the exchange
+            buffers and lets the next bucket travel during Newton–Schulz.
 
     Raises:
         ValueError: a bad hyperparameter, a dedicated parameter that is not
@@ -111,6 +117,7 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients: tuple[float, float, float] = newton_schulz.NS_COEFFICIENTS,
         ns_eps: float = newton_schulz.NS_EPS,
         is_dedicated: Callable[[str, nn.Parameter], bool] | None = None,
+        bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     ):
         _check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype)
         dedicated, rest = select_parameters(model, is_dedicated)
@@ -120,7 +127,9 @@ class Muon(torch.optim.Optimizer):
         specs = [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated]
         self.plan: OwnershipPlan = compute_ownership_plan(specs, self.shard_group.size)
         device = _local(dedicated[0][1]).device if dedicated else torch.device("cpu")
-        self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
+        self._exchange = ShardExchange(
+            self.plan, self.shard_group, dtype=ns_dtype, device=device, bucket_numel=bucket_numel
+        )
         self._exchange.verify_consistent(_shard_rows_error(dedicated, self.plan, self.shard_group))
         muon_group = dict(
             name=MUON_GROUP,
@@ -169,9 +178,7 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         params = group["params"]
         shards = [self._momentum_update(p, group) for p in params]
-        full = self._exchange.to_owners(shards)
-        orthogonal, ns_calls = self._orthogonalize(full, group)
-        updates = self._exchange.to_shards(orthogonal)
+        updates, owned, ns_calls = self._orthogonalized_shards(shards, group)
         lr = _to_scalar(group["lr"])
         for p, spec, update in zip(params, self.plan.matrices, updates, strict=True):
             if p.grad is None:
@@ -181,11 +188,37 @@ class Muon(torch.optim.Optimizer):
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], spec.shape)
             local.add_(update.view_as(local), alpha=-adjusted_lr)
         self.last_step_stats = DMuonStepStats(
-            orthogonalized=tuple(self.plan.matrices[i].name for i in sorted(full)),
+            orthogonalized=tuple(self.plan.matrices[i].name for i in owned),
             ns_calls=ns_calls,
             bytes_sent=self._exchange.bytes_sent,
             bytes_received=self._exchange.bytes_received,
         )
+
+    def _orthogonalized_shards(
+        self, shards: list[torch.Tensor], group: dict
+    ) -> tuple[list[torch.Tensor], list[int], int]:
+        """This rank's rows of every orthogonalised update (plan order), the
+        matrices it owned, and its batched Newton–Schulz calls.
+
+        Bucket ``b + 1`` travels to its owners while they orthogonalise bucket
+        ``b``; results go back as soon as a bucket is done.
+        """
+        ex = self._exchange
+        ex.reset_counters()
+        incoming = ex.start_to_owners(0, shards)
+        outgoing, owned, ns_calls = [], [], 0
+        for b, layout in enumerate(ex.layouts):
+            full = ex.finish_to_owners(incoming)
+            if b + 1 < len(ex.layouts):
+                incoming = ex.start_to_owners(b + 1, shards)
+            orthogonal = self._orthogonalize(full, layout.ns_batches, group)
+            outgoing.append(ex.start_to_shards(b, orthogonal))
+            owned += layout.owned
+            ns_calls += len(layout.ns_batches)
+        updates: dict[int, torch.Tensor] = {}
+        for pending in outgoing:
+            updates.update(ex.finish_to_shards(pending))
+        return [updates[i] for i in range(len(shards))], sorted(owned), ns_calls
 
     def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """This rank's rows of the Nesterov (or plain) momentum update, in
@@ -203,12 +236,10 @@ class Muon(torch.optim.Optimizer):
         return update.to(self.ns_dtype)
 
     def _orthogonalize(
-        self, full: dict[int, torch.Tensor], group: dict
-    ) -> tuple[dict[int, torch.Tensor], int]:
-        """Newton–Schulz on the matrices this rank owns, one batched call per
-        shape."""
+        self, full: dict[int, torch.Tensor], batches: dict, group: dict
+    ) -> dict[int, torch.Tensor]:
+        """Newton–Schulz on owned matrices, one batched call per shape."""
         out: dict[int, torch.Tensor] = {}
-        batches = self.plan.ns_batches(self.shard_group.rank)
         for ids in batches.values():
             stacked = newton_schulz.zeropower_via_newtonschulz(
                 torch.stack([full[i] for i in ids]),
@@ -218,7 +249,7 @@ class Muon(torch.optim.Optimizer):
                 self.ns_dtype,
             )
             out.update(zip(ids, stacked.unbind(0), strict=True))
-        return out, len(batches)
+        return out
 
     def _init_state(self) -> None:
         """Create every parameter's state now rather than at its first

@@ -86,14 +86,6 @@ class OwnershipPlan:
         start, stop = row_range(rows, self.num_ranks, rank)
         return (stop - start) * cols
 
-    def ns_batches(self, rank: int) -> dict[tuple[int, int], tuple[int, ...]]:
-        """Matrices ``rank`` owns grouped by shape: each group is one batched
-        Newton–Schulz call. Shapes appear in first-owned order."""
-        batches: dict[tuple[int, int], list[int]] = {}
-        for i in self.owned_by(rank):
-            batches.setdefault(self.matrices[i].shape, []).append(i)
-        return {shape: tuple(ids) for shape, ids in batches.items()}
-
     def fingerprint(self) -> int:
         """A hash of the whole plan in ``[0, 2**62)`` (it and its negation fit
         an int64 tensor), for checking that every rank computed the same one."""
@@ -139,41 +131,77 @@ def _check_specs(matrices: Sequence[MatrixSpec]) -> None:
         seen.add(spec.name)
 
 
+def compute_buckets(plan: OwnershipPlan, max_numel: int | None) -> tuple[tuple[int, ...], ...]:
+    """The matrices in plan order, cut into consecutive buckets of at most
+    ``max_numel`` elements (a larger matrix is a bucket of its own); one
+    bucket when ``max_numel`` is None. Each bucket is one pair of exchanges,
+    so the next bucket travels while the owners orthogonalise this one.
+
+    Raises:
+        ValueError: ``max_numel`` < 1.
+    """
+    if max_numel is not None and max_numel < 1:
+        raise ValueError(f"bucket_numel={max_numel} must be at least 1 (or None)")
+    buckets: list[list[int]] = []
+    size = 0
+    for i, spec in enumerate(plan.matrices):
+        numel = spec.shape[0] * spec.shape[1]
+        if not buckets or (max_numel is not None and size + numel > max_numel):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += numel
+    return tuple(tuple(b) for b in buckets)
+
+
 @dataclass(frozen=True)
 class RankLayout:
-    """How one rank packs and unpacks the two exchanges of a plan, computed
-    once so that a step does no per-matrix arithmetic over all ranks.
+    """How one rank packs and unpacks the two exchanges of one bucket,
+    computed once so that a step does no per-matrix arithmetic over all ranks.
 
-    Shards to owners: this rank sends ``send_order`` (its rows of every
-    matrix, grouped by owner) in ``send_splits``; as an owner it receives
-    ``recv_splits``, and from rank ``src`` the rows of its owned matrices in
-    sizes ``recv_sizes[src]``. The way back is the same with the roles
-    swapped: it sends ``recv_splits``, cutting each owned matrix ``i`` at
-    ``row_ranges[i]``, and receives ``send_splits``, unpacked by owner in
-    sizes ``send_sizes[owner]``.
+    Shards to owners: this rank sends ``send_order`` (its rows of the
+    bucket's matrices, grouped by owner) in ``send_splits``; as an owner it
+    receives ``recv_splits``, and from rank ``src`` the rows of its owned
+    matrices in sizes ``recv_sizes[src]``. The way back is the same with the
+    roles swapped: it sends ``recv_splits``, cutting each owned matrix ``i``
+    at ``row_ranges[i]``, and receives ``send_splits``, unpacked by owner
+    (``owners_of[owner]``) in sizes ``send_sizes[owner]``. ``ns_batches``
+    groups the owned matrices by shape: one batched Newton–Schulz call each.
     """
 
     owned: tuple[int, ...]
+    owners_of: tuple[tuple[int, ...], ...]
     send_order: tuple[int, ...]
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     recv_sizes: tuple[tuple[int, ...], ...]
     send_sizes: tuple[tuple[int, ...], ...]
     row_ranges: dict[int, tuple[tuple[int, int], ...]]
+    ns_batches: dict[tuple[int, int], tuple[int, ...]]
 
 
-def compute_rank_layout(plan: OwnershipPlan, rank: int) -> RankLayout:
-    """The exchange layout of ``rank`` under ``plan``."""
+def compute_rank_layout(
+    plan: OwnershipPlan, rank: int, bucket: Sequence[int] | None = None
+) -> RankLayout:
+    """The exchange layout of ``rank`` for ``bucket`` (plan indices; default:
+    all matrices) under ``plan``."""
     n = plan.num_ranks
-    owned = plan.owned_by(rank)
-    send_sizes = tuple(tuple(plan.local_numel(i, rank) for i in plan.owned_by(o)) for o in range(n))
+    chosen = set(range(len(plan.matrices)) if bucket is None else bucket)
+    owners_of = tuple(tuple(i for i in plan.owned_by(o) if i in chosen) for o in range(n))
+    owned = owners_of[rank]
+    send_sizes = tuple(tuple(plan.local_numel(i, rank) for i in ids) for ids in owners_of)
     recv_sizes = tuple(tuple(plan.local_numel(i, src) for i in owned) for src in range(n))
+    batches: dict[tuple[int, int], list[int]] = {}
+    for i in owned:
+        batches.setdefault(plan.matrices[i].shape, []).append(i)
     return RankLayout(
         owned=owned,
-        send_order=tuple(i for o in range(n) for i in plan.owned_by(o)),
+        owners_of=owners_of,
+        send_order=tuple(i for ids in owners_of for i in ids),
         send_splits=tuple(sum(sizes) for sizes in send_sizes),
         recv_splits=tuple(sum(sizes) for sizes in recv_sizes),
         recv_sizes=recv_sizes,
         send_sizes=send_sizes,
         row_ranges={i: chunk_rows(plan.matrices[i].shape[0], n) for i in owned},
+        ns_batches={shape: tuple(ids) for shape, ids in batches.items()},
     )

@@ -172,14 +172,21 @@ def build_mesh(world_size: int, hybrid: bool):
 
 
 def build(world_size: int, hybrid: bool):
-    """The DMuon strategy's wrap of the test model, and its optimizer."""
+    """The DMuon strategy (through ``build_strategy``), its wrap of the test
+    model, and the optimizer."""
     mesh = build_mesh(world_size, hybrid)
     config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=False)
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=0, mesh=mesh)
     assert isinstance(strategy, DMuonFSDPStrategy)
     model = strategy.wrap(make_model())
     optimizer = dmuon.Muon(
-        model, **HYPER, ns_dtype=torch.float32, **{f"adamw_{k}": v for k, v in ADAMW.items()}
+        model,
+        **HYPER,
+        ns_dtype=torch.float32,
+        **{f"adamw_{k}": v for k, v in ADAMW.items()},
+        # FSDP: several pipelined buckets (one matrix, or two small ones, each);
+        # HSDP: the default, one bucket.
+        **({} if hybrid else {"bucket_numel": 100}),
     )
     return strategy, model, optimizer
 

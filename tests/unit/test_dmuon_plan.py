@@ -10,6 +10,7 @@ import torch
 from ray_fsdp_backend.dmuon.plan import (
     MatrixSpec,
     chunk_rows,
+    compute_buckets,
     compute_ownership_plan,
     compute_rank_layout,
     ns_cost,
@@ -97,10 +98,31 @@ def test_more_ranks_than_rows_leaves_empty_shards():
 
 def test_ns_batches_group_owned_matrices_by_shape():
     plan = compute_ownership_plan(SPECS, 1)
-    batches = plan.ns_batches(0)
+    batches = compute_rank_layout(plan, 0).ns_batches
     assert set(batches) == {s.shape for s in SPECS}
     assert sum(len(ids) for ids in batches.values()) == len(SPECS)
     assert all(SPECS[i].shape == shape for shape, ids in batches.items() for i in ids)
+
+
+@pytest.mark.parametrize("cap", [None, 1, 768, 2048, 10**9])
+def test_buckets_cut_plan_order_under_the_cap(cap):
+    plan = compute_ownership_plan(SPECS, 4)
+    buckets = compute_buckets(plan, cap)
+    assert [i for b in buckets for i in b] == list(range(len(SPECS)))
+    numel = [s.shape[0] * s.shape[1] for s in SPECS]
+    for b in buckets:
+        assert cap is None or len(b) == 1 or sum(numel[i] for i in b) <= cap
+    if cap is None or cap >= sum(numel):
+        assert len(buckets) == 1
+    # Per-bucket layouts together cover every owned matrix once.
+    for rank in range(4):
+        owned = [i for b in buckets for i in compute_rank_layout(plan, rank, b).owned]
+        assert owned == list(plan.owned_by(rank))
+
+
+def test_bucket_cap_must_be_positive():
+    with pytest.raises(ValueError, match="bucket_numel=0"):
+        compute_buckets(compute_ownership_plan(SPECS, 2), 0)
 
 
 def test_fingerprint_identifies_the_plan():
