@@ -7,8 +7,9 @@ matrix), it measures
 - ``torch.optim.Muon`` on one process over the full matrices (the reference);
 - ``ray_fsdp_backend.dmuon.Muon`` on FSDP2 shards at each rank count in
   ``ranks`` (gloo on CPU, one spawn per rank count covering all sizes): step
-  time (slowest rank), bytes each rank sends and receives in the two
-  exchanges, momentum bytes per rank and matrices orthogonalised per rank;
+  time (slowest rank), time in Newton–Schulz per rank, bytes each rank sends
+  and receives in the two exchanges, momentum bytes per rank and matrices
+  orthogonalised per rank;
 - for comparison, the bytes a plain FSDP2 + AdamW training step moves per
   rank (all-gather in forward, again in backward, reduce-scatter of the
   gradients; the AdamW step itself moves nothing) and what a naive
@@ -106,10 +107,13 @@ def _dmuon_on_ranks(rank: int, world_size: int, sizes, n_layers: int, steps: int
         fully_shard(model, mesh=mesh)
         opt = Muon(model, lr=0.02)
         _fill_grads(model, rank)
-        step_s = _time_steps(opt.step, steps, sync=dist.barrier)
+        opt.step()  # warm-up outside the Newton–Schulz timer
+        with _NSTimer() as ns:
+            step_s = _time_steps(opt.step, steps, sync=dist.barrier)
         stats = opt.last_step_stats
         row = dict(
             step_s=step_s,
+            ns_s=ns.seconds / (steps + 1),
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
             momentum_bytes=opt.momentum_numel() * FP32_BYTES,
@@ -121,9 +125,32 @@ def _dmuon_on_ranks(rank: int, world_size: int, sizes, n_layers: int, steps: int
     return out
 
 
+class _NSTimer:
+    """Seconds spent in DMuon's Newton–Schulz calls while active."""
+
+    def __enter__(self):
+        from ray_fsdp_backend.dmuon import newton_schulz
+
+        self.module, self.seconds = newton_schulz, 0.0
+        self.real = newton_schulz.zeropower_via_newtonschulz
+
+        def timed(*args):
+            start = time.perf_counter()
+            out = self.real(*args)
+            self.seconds += time.perf_counter() - start
+            return out
+
+        newton_schulz.zeropower_via_newtonschulz = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.module.zeropower_via_newtonschulz = self.real
+
+
 def _summarise_ranks(rows: list[dict]) -> dict:
     return {
         "step_ms": 1e3 * max(r["step_s"] for r in rows),
+        "ns_ms_per_rank": [round(1e3 * r["ns_s"], 3) for r in rows],
         "bytes_sent_per_rank": max(r["bytes_sent"] for r in rows),
         "bytes_received_per_rank": max(r["bytes_received"] for r in rows),
         "momentum_bytes_per_rank": [r["momentum_bytes"] for r in rows],
