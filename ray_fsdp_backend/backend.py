@@ -9,6 +9,7 @@ group, mesh, strategy and context.
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 from ray.train.backend import Backend
@@ -22,6 +23,8 @@ _logger = logging.getLogger(__name__)
 
 # Seconds to wait for workers to tear down before giving up on them.
 SHUTDOWN_TIMEOUT_S = 30
+# Seconds beyond the process-group timeout that worker setup may take.
+SETUP_MARGIN_S = 60
 
 
 def resolve_pg_backend(config: FSDPConfig, uses_gpu: bool) -> str:
@@ -58,7 +61,7 @@ class FSDPBackend(Backend):
             layout.shape,
             pg_backend,
         )
-        ray.get(
+        wait_all_or_first_error(
             [
                 worker_group.execute_single_async(
                     index,
@@ -71,12 +74,38 @@ class FSDPBackend(Backend):
                     master=(addr, port),
                 )
                 for index, info in enumerate(infos)
-            ]
+            ],
+            timeout_s=backend_config.timeout_s + SETUP_MARGIN_S,
         )
 
     def on_shutdown(self, worker_group, backend_config: FSDPConfig) -> None:
-        futures = worker_group.execute_async(_worker.teardown_worker)
+        """Tear down every live worker, waiting at most ``SHUTDOWN_TIMEOUT_S``.
+
+        After a failure some workers are dead and others may be stuck in a
+        collective: their errors and timeouts are logged, not raised, since Ray
+        kills the group next and a restart starts new worker processes.
+        """
         try:
+            futures = worker_group.execute_async(_worker.teardown_worker)
             ray.get(futures, timeout=SHUTDOWN_TIMEOUT_S)
         except Exception as exc:  # a dead worker cannot tear down; the next start is clean
             _logger.warning("ray_fsdp_backend: worker teardown failed: %s", exc)
+
+
+def wait_all_or_first_error(futures: list, *, timeout_s: float) -> list:
+    """Results of all ``futures``; raises the first failure as soon as it
+    arrives (a plain ``ray.get`` of the list would first wait for the other
+    workers, which block in rendezvous until the process-group timeout).
+
+    Raises:
+        TimeoutError: not all finished within ``timeout_s``.
+    """
+    pending, deadline = list(futures), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
+        if not ready:
+            raise TimeoutError(
+                f"ray_fsdp_backend: {len(pending)} workers did not finish in {timeout_s:.0f} s"
+            )
+        ray.get(ready)
+    return ray.get(list(futures))

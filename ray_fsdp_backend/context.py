@@ -88,13 +88,19 @@ class TrainContext:
         )
 
     def restore_checkpoint(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        checkpoint=None,
     ) -> dict | None:
         """Load the newest complete checkpoint of the run into ``model`` and
         ``optimizer`` (resharding if the world size or strategy changed) and
         restore RNG state; returns the saved ``extra_state``, or None when there
-        is nothing to resume. Every rank calls it."""
-        return _checkpoint.restore_checkpoint(model, optimizer)
+        is nothing to resume. Without a checkpoint of its own the run loads
+        ``checkpoint`` (a ``ray.train.Checkpoint``, e.g. another run's) or the
+        one Ray hands it. Every rank calls it."""
+        return _checkpoint.restore_checkpoint(model, optimizer, checkpoint=checkpoint)
 
     def export_model(self, model: nn.Module, path: str) -> str:
         """Write the full, unsharded weights once (rank 0) as a safetensors file

@@ -72,13 +72,18 @@ def save_checkpoint(
 
 
 def restore_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    checkpoint: ray.train.Checkpoint | None = None,
 ) -> dict[str, Any] | None:
-    """Load the newest complete checkpoint of the run (or the one Ray handed
-    it) into ``model`` and ``optimizer``; returns this rank's extra state, or
-    None when there is nothing to resume. Rank 0 chooses, so every rank loads
-    the same checkpoint. Collective."""
-    handed = ray.train.get_checkpoint()
+    """Load the newest complete checkpoint of the run into ``model`` and
+    ``optimizer``; without one, ``checkpoint`` (e.g. another run's, to
+    fine-tune from: Train V2 dropped ``resume_from_checkpoint``) or else the
+    one ``ray.train.get_checkpoint()`` hands. Returns this rank's extra state,
+    or None when there is nothing to resume. Rank 0 chooses, so every rank
+    loads the same checkpoint. Collective."""
+    handed = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
     store = run_store()
 
     def choose():

@@ -1,0 +1,134 @@
+"""Checkpoints in real TorchTrainer runs: exact resume after killed workers,
+the async-registration race, a crash during save, resharding into another
+run with another strategy and world size, export, and a hanging rank.
+
+Three fits share one Ray session: an uninterrupted reference, the same job
+with three injected faults, and a new run that resumes the faulted run's
+final checkpoint under DDP with 3 workers and then hangs one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from safetensors.torch import load_file
+
+import ray_fsdp_backend as rfb
+from tests.e2e.ckpt_fns import restore_then_hang, train_resumable
+from tests.models import ToyNet, make_batch
+
+pytestmark = pytest.mark.e2e
+
+STEPS, EVERY = 8, 2
+FSDP = rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False)
+FAULTS = [
+    # Killed right after the step-4 report returned: Ray may not have registered it.
+    {"attempt": 0, "rank": 1, "step": 4, "where": "after_save"},
+    # Rank 0 dies in the step-6 save after every shard was written, before the marker.
+    {"attempt": 1, "rank": 0, "step": 6, "where": "during_save"},
+    # Killed between the checkpoints of steps 6 and 8.
+    {"attempt": 2, "rank": 1, "step": 7, "where": "mid_step"},
+]
+
+
+def _fit(tmp_path, name: str, faults: list, **config):
+    fault_dir = tmp_path / f"{name}_faults"
+    fault_dir.mkdir()
+    trainer = TorchTrainer(
+        train_resumable,
+        train_loop_config={
+            "steps": STEPS,
+            "every": EVERY,
+            "fault_dir": str(fault_dir),
+            "faults": faults,
+            **config,
+        },
+        torch_config=FSDP,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(tmp_path / "storage"),
+            failure_config=FailureConfig(max_failures=len(faults)),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    result = trainer.fit()
+    attempts = sorted(fault_dir.glob("attempt_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    return result, [json.loads(p.read_text()) for p in attempts]
+
+
+@pytest.fixture(scope="module")
+def runs(ray_local, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("ckpt_e2e")
+    export = str(tmp_path / "export" / "model.safetensors")
+    straight = _fit(tmp_path, "straight", [], export=export)
+    faulted = _fit(tmp_path, "faulted", FAULTS)
+    return tmp_path, straight, faulted, export
+
+
+def test_resume_after_killed_workers_equals_uninterrupted_run(runs):
+    _, (straight, [ref]), (faulted, attempts), _ = runs
+    out = faulted.return_value
+    # Attempt 1 resumes from step 4 although Ray may hand it step 2 (async
+    # registration); the partial step-6 checkpoint is skipped; then step 6.
+    assert [a["resumed_from"] for a in attempts] == [0, 4, 4, 6]
+    print("Ray handed, per attempt:", [a["handed"] for a in attempts])
+    assert out["attempt"] == 3 and out["resumed_from"] == 6
+    # Every loss any attempt computed equals the uninterrupted run's, bit for bit.
+    for attempt in attempts:
+        for step, loss in attempt["losses"].items():
+            assert loss == ref["losses"][step], (attempt, step)
+    want = straight.return_value["params"]
+    for name, value in want.items():
+        assert torch.equal(torch.tensor(out["params"][name]), torch.tensor(value)), name
+    # The partial step-6 directory was deleted; the final checkpoint is step 8's.
+    names = sorted(os.listdir(os.path.dirname(faulted.checkpoint.path)))
+    assert faulted.metrics["step"] == STEPS, names
+
+
+def test_export_loads_into_plain_model(runs):
+    _, (straight, _), _, export = runs
+    plain = ToyNet()
+    plain.load_state_dict(load_file(export), strict=True)
+    for name, value in straight.return_value["params"].items():
+        assert torch.equal(plain.state_dict()[name], torch.tensor(value)), name
+    x = make_batch(4)[0]
+    assert plain(x).shape == (4, 8)
+
+
+def test_new_run_reshards_to_ddp_and_a_hanging_rank_fails_within_timeout(runs):
+    tmp_path, _, (faulted, _), _ = runs
+    restored = tmp_path / "restored.json"
+    timeout_s, sleep_s = 10, 120
+    trainer = TorchTrainer(
+        restore_then_hang,
+        train_loop_config={
+            "restored": str(restored),
+            "sleep_s": sleep_s,
+            "checkpoint": faulted.checkpoint,
+        },
+        torch_config=rfb.FSDPConfig(use_fsdp=False, timeout_s=timeout_s),
+        scaling_config=ScalingConfig(num_workers=3),
+        run_config=RunConfig(
+            name="resharded",
+            storage_path=str(tmp_path / "storage"),
+            failure_config=FailureConfig(max_failures=0),
+        ),
+    )
+    with pytest.raises(Exception) as info:
+        trainer.fit()
+    ended = time.time()
+    got = json.loads(restored.read_text())
+    assert got["strategy"] == "DDPStrategy" and got["world_size"] == 3
+    assert got["extra"] == {"step": STEPS}
+    for name, value in faulted.return_value["params"].items():
+        assert torch.equal(torch.tensor(got["params"][name]), torch.tensor(value)), name
+    hang_s = ended - got["time"]
+    print(f"hang to failed fit: {hang_s:.1f} s (timeout_s={timeout_s})")
+    assert hang_s < timeout_s + 30, (hang_s, info.value)
