@@ -60,7 +60,7 @@ class DMuonStepStats:
     orthogonalized: tuple[str, ...]
     """Names of the matrices this rank ran Newton–Schulz on."""
     ns_calls: int
-    """Batched Newton–Schulz calls (one per owned shape)."""
+    """Batched Newton–Schulz calls (one per owned shape in each bucket)."""
     bytes_sent: int
     """Bytes this rank sent to other ranks in the two exchanges."""
     bytes_received: int
@@ -131,9 +131,7 @@ class Muon(torch.optim.Optimizer):
             self.plan, self.shard_group, dtype=ns_dtype, device=device, bucket_numel=bucket_numel
         )
         self._exchange.verify_consistent(_shard_rows_error(dedicated, self.plan, self.shard_group))
-        muon_group = dict(
-            name=MUON_GROUP,
-            params=[p for _, p in dedicated],
+        muon_hyper = dict(
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
@@ -143,20 +141,15 @@ class Muon(torch.optim.Optimizer):
             eps=ns_eps,
             adjust_lr_fn=adjust_lr_fn,
         )
-        self._adamw = None
-        groups = [muon_group] if dedicated else []
-        if rest:
-            self._adamw = torch.optim.AdamW(
-                [p for _, p in rest],
-                lr=lr if adamw_lr is None else adamw_lr,
-                betas=adamw_betas,
-                eps=adamw_eps,
-                weight_decay=adamw_weight_decay,
-            )
-            groups.append(dict(self._adamw.param_groups[0], name=ADAMW_GROUP))
-        if not groups:
-            raise ValueError(f"{type(model).__name__} has no trainable parameters")
-        super().__init__(groups, defaults={})
+        adamw_hyper = dict(
+            lr=lr if adamw_lr is None else adamw_lr,
+            betas=adamw_betas,
+            eps=adamw_eps,
+            weight_decay=adamw_weight_decay,
+        )
+        # torch's AdamW runs the AdamW group's update (see _adamw_step).
+        self._adamw = torch.optim.AdamW([p for _, p in rest], **adamw_hyper) if rest else None
+        super().__init__(_param_groups(model, dedicated, muon_hyper, self._adamw), defaults={})
         self.last_step_stats: DMuonStepStats | None = None
         self._init_state()
 
@@ -299,6 +292,18 @@ class Muon(torch.optim.Optimizer):
             for s in self.state.values()
             if "momentum_buffer" in s
         )
+
+
+def _param_groups(model, dedicated, muon_hyper: dict, adamw) -> list[dict]:
+    """The named groups: "muon" (dedicated matrices, in plan order) and
+    "adamw" (with every key torch's AdamW reads), each only when non-empty."""
+    groups = [dict(name=MUON_GROUP, params=[p for _, p in dedicated], **muon_hyper)]
+    groups = groups if dedicated else []
+    if adamw is not None:
+        groups.append(dict(adamw.param_groups[0], name=ADAMW_GROUP))
+    if not groups:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    return groups
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
