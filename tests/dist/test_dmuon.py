@@ -171,18 +171,18 @@ def build_mesh(world_size: int, hybrid: bool):
     return init_device_mesh("cpu", (world_size,), mesh_dim_names=(SHARD_AXIS,))
 
 
-def build(world_size: int, hybrid: bool):
+def build(world_size: int, hybrid: bool, bf16: bool = False):
     """The DMuon strategy (through ``build_strategy``), its wrap of the test
-    model, and the optimizer."""
+    model, and the optimizer; ``bf16``: mixed precision and bf16 Newton–Schulz."""
     mesh = build_mesh(world_size, hybrid)
-    config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=False)
+    config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=bf16)
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=0, mesh=mesh)
     assert isinstance(strategy, DMuonFSDPStrategy)
     model = strategy.wrap(make_model())
     optimizer = dmuon.Muon(
         model,
         **HYPER,
-        ns_dtype=torch.float32,
+        ns_dtype=torch.bfloat16 if bf16 else torch.float32,
         **{f"adamw_{k}": v for k, v in ADAMW.items()},
         # FSDP: several pipelined buckets (one matrix, or two small ones, each);
         # HSDP: the default, one bucket.
@@ -307,6 +307,22 @@ def column_sharded(rank, world_size) -> str:
     return "no error"
 
 
+def bf16_run(rank, world_size) -> dict:
+    """The whole schedule under bf16 mixed precision with bf16 Newton–Schulz
+    (the defaults of a real run)."""
+    _, model, opt = build(world_size, hybrid=False, bf16=True)
+    train(
+        model,
+        opt,
+        range(STEPS),
+        no_sync=dmuon.no_sync,
+        clip=lambda m, o: dmuon.clip_grad_norm_(o, MAX_NORM).total_norm,
+        rank=rank,
+        world_size=world_size,
+    )
+    return full_params(model)
+
+
 def on_ranks(rank, world_size, ckpt_save=None, ckpt_load=None) -> dict:
     out = {
         mode: run_config(rank, world_size, mode == "hybrid", ckpt_save if mode == "full" else None)
@@ -318,6 +334,7 @@ def on_ranks(rank, world_size, ckpt_save=None, ckpt_load=None) -> dict:
         dist.all_gather_object(errors, mismatched_plan(rank, world_size))
         out["mismatch_errors"] = errors
         out["placement_error"] = column_sharded(rank, world_size)
+        out["bf16"] = bf16_run(rank, world_size)
     return out
 
 
@@ -392,3 +409,13 @@ def test_ranks_with_different_plans_all_raise(runs):
 def test_params_not_sharded_on_rows_are_rejected(runs):
     error = runs[2]["placement_error"]
     assert "'blocks.0.up.weight' has placements (Shard(dim=1),)" in error, error
+
+
+def test_bf16_mixed_precision_stays_near_the_fp32_reference(runs, reference):
+    got, want = runs[2]["bf16"], reference[0]
+    start = dict(make_model().named_parameters())
+    assert all(torch.isfinite(t).all() for t in got.values())
+    # The whole update (all parameters) points where the fp32 one does.
+    moved = torch.cat([(want[n] - start[n]).flatten() for n in want])
+    off = torch.cat([(got[n] - want[n]).flatten() for n in want])
+    assert off.norm() <= 0.2 * moved.norm(), float(off.norm() / moved.norm())
