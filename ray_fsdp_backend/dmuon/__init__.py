@@ -5,6 +5,18 @@ matrices, each orthogonalised by one owner rank; AdamW for the rest).
 ``no_sync`` and ``clip_grad_norm_`` are the two runtime calls the seed's
 ``DMuonFSDPStrategy`` makes; both reuse the project's single mechanisms
 (FSDP2's gradient-sync switch and :func:`ray_fsdp_backend.clip.clip_grad_norm_`).
+
+    strategy = build_strategy(cfg, device=device, local_rank=rank, use_dmuon=True)
+    model = strategy.wrap(model)                 # FSDP2 / HSDP, per block
+    opt = dmuon.Muon(model, lr=0.02, adamw_lr=3e-4, weight_decay=0.1)
+    with strategy.no_sync(model):                # accumulation micro-batch
+        loss_fn(model, micro_batch).backward()
+    loss_fn(model, last_micro_batch).backward()
+    strategy.clip_grad_norm(model, 1.0, optimizer=opt)   # one global norm
+    opt.step(); opt.zero_grad()
+
+Checkpoints go through DCP (``ray_fsdp_backend.checkpoint.save_sharded``)
+keyed by parameter name; they load at any world size.
 """
 
 from __future__ import annotations
