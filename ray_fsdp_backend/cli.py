@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -224,8 +225,13 @@ def run_training(spec: RunSpec, name: str):
     from ray_fsdp_backend.example.train import train_loop_per_worker
 
     if not ray.is_initialized():
-        # address="local" starts a fresh cluster: never join a stale one by accident.
-        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            # address="local" starts a fresh cluster: never join a stale one by
+            # accident. Give it a CPU beyond the workers' (logical) so Ray Data
+            # tasks can run beside them on a 2-core machine instead of waiting.
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, _worker_cpus(spec) + 1))
     use_gpu = resolve_use_gpu(spec.scaling.use_gpu, ray.cluster_resources())
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -245,6 +251,11 @@ def run_training(spec: RunSpec, name: str):
         datasets=build_datasets(spec),
     )
     return trainer.fit()
+
+
+def _worker_cpus(spec: RunSpec) -> int:
+    per_worker = (spec.scaling.resources_per_worker or {}).get("CPU", 1)
+    return int(math.ceil(per_worker * spec.scaling.num_workers))
 
 
 def resolve_use_gpu(setting: bool | str, cluster_resources: dict) -> bool:
