@@ -1,13 +1,14 @@
-"""The collectives of DMuon: row shards to owners and back, one all-to-all each.
+"""The collectives of DMuon: row shards to owners and back, by all-to-all.
 
 Where a matrix's rows live and who owns it is decided by the pure
-:class:`~ray_fsdp_backend.dmuon.plan.OwnershipPlan`; this module only packs
-tensors in the plan's order and calls ``all_to_all_single`` on the shard
-group. Uneven splits are fine for ``all_to_all_single`` on gloo and NCCL
-alike (unlike gloo's ``gather``), so nothing is padded, and a rank that
-holds no rows of a matrix (more ranks than rows) simply sends nothing for it.
-The layout never depends on gradients, so every rank issues the same
-collectives in the same order.
+:mod:`~ray_fsdp_backend.dmuon.plan`; this module only packs tensors in the
+plan's order and calls ``all_to_all_single`` on the shard group, one pair
+per bucket of matrices, asynchronously so that the next bucket travels while
+the owners orthogonalise this one. Uneven splits are fine for
+``all_to_all_single`` on gloo and NCCL alike (unlike gloo's ``gather``), so
+nothing is padded, and a rank that holds no rows of a matrix (more ranks
+than rows) simply sends nothing for it. The layout never depends on
+gradients, so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
