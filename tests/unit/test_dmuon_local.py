@@ -128,3 +128,35 @@ def test_blocks_are_the_nested_units_or_module_list_children():
     assert _is_ancestor("", "layers.0") and _is_ancestor("model", "model.layers.0")
     assert not _is_ancestor("model.layers.1", "model.layers.10")
     assert not _is_ancestor("layers.0", "layers.0")
+
+
+class _Adapted(torch.nn.Module):
+    """A model with the seed's adapter hook, recording what it was asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = reference_model()
+        self.asked = None
+
+    def convert_to_fsdp(self, **kwargs):
+        self.asked = kwargs
+        return self
+
+
+def test_strategy_tells_the_adapter_dmuon_is_on_and_clips_everything_once():
+    from ray_fsdp_backend.config import FSDPConfig
+    from ray_fsdp_backend.strategies.dmuon import DMuonFSDPStrategy
+
+    config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=False)
+    strategy = DMuonFSDPStrategy(config, device=torch.device("cpu"), mesh=None)
+    model = strategy.wrap(_Adapted())
+    assert model.asked["use_dmuon"] is True
+    opt = dmuon.Muon(model, lr=0.02)
+    x, y = make_batch()
+    torch.nn.functional.mse_loss(model.inner(x), y).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    norm = strategy.clip_grad_norm(model, 1e-3, optimizer=opt)
+    assert float(norm) == pytest.approx(float(want), rel=1e-6)
+    assert strategy.last_grad_clip_stats["num_tensors"] == len(list(model.parameters()))
+    after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert float(after) == pytest.approx(1e-3, rel=1e-3)
