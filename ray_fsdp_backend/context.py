@@ -67,6 +67,11 @@ class TrainContext:
         """Context manager for accumulation micro-batches."""
         return self.strategy.no_sync(model)
 
+    def autocast(self):
+        """Context manager for the forward pass: the configured mixed precision
+        for DDP (autocast), nothing for FSDP2 (its policy casts already)."""
+        return self.strategy.autocast()
+
     def save_checkpoint(
         self,
         model: nn.Module,

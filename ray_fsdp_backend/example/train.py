@@ -91,7 +91,7 @@ def train_step(
         inputs, targets = (t.to(ctx.device, non_blocking=True) for t in batches.next_batch())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
-        with sync, autocast_for(ctx):
+        with sync, ctx.autocast():
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             loss.backward()
@@ -101,15 +101,6 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm
-
-
-def autocast_for(ctx) -> contextlib.AbstractContextManager:
-    """bf16/fp16 autocast for DDP on GPUs under mixed precision. FSDP2 casts
-    parameters itself (its ``MixedPrecisionPolicy``), so it needs none."""
-    cfg = ctx.config
-    if ctx.strategy.params_sharded or not cfg.use_mixed_precision or ctx.device.type != "cuda":
-        return contextlib.nullcontext()
-    return torch.autocast("cuda", dtype=torch.bfloat16 if cfg.bf16 else torch.float16)
 
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 
@@ -39,6 +40,12 @@ class DistributionStrategy(ABC):
     @abstractmethod
     def params_sharded(self) -> bool:
         """Whether each rank holds only a shard of the parameters."""
+
+    def autocast(self) -> AbstractContextManager:
+        """Context manager for the forward pass that applies the configured
+        mixed precision where the wrapper itself does not. FSDP2 casts
+        parameters through its ``MixedPrecisionPolicy``, so this is a no-op."""
+        return contextlib.nullcontext()
 
     def clip_grad_norm(
         self,

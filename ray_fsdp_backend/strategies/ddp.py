@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,6 +42,14 @@ class DDPStrategy(DistributionStrategy):
             broadcast_buffers=self.config.broadcast_buffers,
             bucket_cap_mb=self.config.bucket_cap_mb,
         )
+
+    def autocast(self) -> AbstractContextManager:
+        """DDP holds one fp32 copy of the model: mixed precision is autocast of
+        the forward pass to bf16 (or fp16 with ``bf16=False``)."""
+        if not self.config.use_mixed_precision:
+            return nullcontext()
+        dtype = torch.bfloat16 if self.config.bf16 else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
 
     @contextmanager
     def no_sync(self, model: nn.Module):
