@@ -1,20 +1,30 @@
 """A Ray Train backend for PyTorch FSDP2, HSDP, DDP and distributed Muon.
 
-trainer = TorchTrainer(train_fn, torch_config=FSDPConfig(use_fsdp=True), ...)
+    trainer = TorchTrainer(train_fn, torch_config=FSDPConfig(use_fsdp=True), ...)
 
-def train_fn(loop_config):
-    ctx = get_context()
-    model = ctx.wrap(model)
+    def train_fn(loop_config):
+        ctx = get_context()
+        model = ctx.wrap(model)
+
+Public names are imported on first use, so that ``ray_fsdp_backend.dmuon`` or
+``ray_fsdp_backend.clip`` can be used in a torchrun job without importing Ray.
 """
 
-from ray_fsdp_backend.config import FSDPConfig, ShardingStrategy
-from ray_fsdp_backend.context import TrainContext, get_context
-from ray_fsdp_backend.strategies import (
-    DDPStrategy,
-    DistributionStrategy,
-    FSDPStrategy,
-    build_strategy,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "FSDPConfig": "ray_fsdp_backend.config",
+    "ShardingStrategy": "ray_fsdp_backend.config",
+    "TrainContext": "ray_fsdp_backend.context",
+    "get_context": "ray_fsdp_backend.context",
+    "DDPStrategy": "ray_fsdp_backend.strategies",
+    "DistributionStrategy": "ray_fsdp_backend.strategies",
+    "FSDPStrategy": "ray_fsdp_backend.strategies",
+    "build_strategy": "ray_fsdp_backend.strategies",
+}
 
 __all__ = [
     "DDPStrategy",
@@ -26,3 +36,19 @@ __all__ = [
     "build_strategy",
     "get_context",
 ]
+
+if TYPE_CHECKING:
+    from ray_fsdp_backend.config import FSDPConfig, ShardingStrategy
+    from ray_fsdp_backend.context import TrainContext, get_context
+    from ray_fsdp_backend.strategies import (
+        DDPStrategy,
+        DistributionStrategy,
+        FSDPStrategy,
+        build_strategy,
+    )
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ray_fsdp_backend' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

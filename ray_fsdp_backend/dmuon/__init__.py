@@ -21,8 +21,7 @@ keyed by parameter name; they load at any world size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -32,6 +31,7 @@ from ray_fsdp_backend.clip import clip_grad_norm_ as _clip_grad_norm_
 from ray_fsdp_backend.dmuon.newton_schulz import zeropower_via_newtonschulz
 from ray_fsdp_backend.dmuon.optimizer import ADAMW_GROUP, MUON_GROUP, DMuonStepStats, Muon
 from ray_fsdp_backend.dmuon.plan import MatrixSpec, OwnershipPlan, compute_ownership_plan
+from ray_fsdp_backend.strategies.fsdp import no_gradient_sync
 
 __all__ = [
     "ADAMW_GROUP",
@@ -47,22 +47,12 @@ __all__ = [
 ]
 
 
-@contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
+def no_sync(model: nn.Module) -> AbstractContextManager:
     """Accumulate gradients without reduce-scatter (or the HSDP all-reduce)
     on every FSDP2 unit of ``model``; the next backward outside the context
     reduces everything accumulated. Dedicated matrices are FSDP2 parameters,
-    so this covers them too."""
-    from ray_fsdp_backend.strategies.fsdp import fsdp_modules
-
-    modules = fsdp_modules(model)
-    for m in modules:
-        m.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
+    so FSDP's own switch covers them too."""
+    return no_gradient_sync(model)
 
 
 def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float) -> ClipStats:

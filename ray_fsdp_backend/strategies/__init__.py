@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_fsdp_backend.config import FSDPConfig
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.ddp import DDPStrategy
 from ray_fsdp_backend.strategies.fsdp import FSDPStrategy
+
+if TYPE_CHECKING:
+    from ray_fsdp_backend.config import FSDPConfig
 
 __all__ = ["DDPStrategy", "DistributionStrategy", "FSDPStrategy", "build_strategy"]
 
@@ -37,6 +39,8 @@ def build_strategy(
         ValueError: an invalid config (a dict is validated like
             ``FSDPConfig.from_dict``), or DMuon without FSDP.
     """
+    from ray_fsdp_backend.config import FSDPConfig
+
     del local_rank
     if not isinstance(config, FSDPConfig):
         config = FSDPConfig.from_dict(config)

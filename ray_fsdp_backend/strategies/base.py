@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.clip import clip_grad_norm_
-from ray_fsdp_backend.config import FSDPConfig
+
+if TYPE_CHECKING:
+    # Imported for types only: config.py imports Ray, which DMuon and the
+    # multi-process tests do not need.
+    from ray_fsdp_backend.config import FSDPConfig
 
 
 class DistributionStrategy(ABC):

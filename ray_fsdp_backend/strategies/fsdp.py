@@ -10,8 +10,10 @@ replicates over the first. Everything the config says is resolved into one
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,6 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from ray_fsdp_backend.config import FSDPConfig
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
     apply_activation_checkpointing,
@@ -32,6 +33,9 @@ from ray_fsdp_backend.strategies.blocks import (
     has_meta_tensors,
     materialize_meta_module,
 )
+
+if TYPE_CHECKING:
+    from ray_fsdp_backend.config import FSDPConfig
 
 _logger = logging.getLogger(__name__)
 
@@ -95,6 +99,22 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+@contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Skip reduce-scatter (and the HSDP all-reduce) on every FSDP module of
+    ``model``: gradients accumulate unsharded until the next synced backward.
+    Works for models sharded by a ``convert_to_fsdp`` hook, whose root need
+    not be an FSDP module."""
+    modules = fsdp_modules(model)
+    for m in modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
 class FSDPStrategy(DistributionStrategy):
     """FSDP2 over the mesh the backend built (1-D: FSDP, 2-D: HSDP)."""
 
@@ -141,15 +161,5 @@ class FSDPStrategy(DistributionStrategy):
             materialize_meta_module(model, "cpu" if policy.offloads else self.device)
         return model
 
-    @contextmanager
-    def no_sync(self, model: nn.Module):
-        """Skip reduce-scatter (and the HSDP all-reduce) on every FSDP module:
-        gradients accumulate unsharded until the next synced backward."""
-        modules = fsdp_modules(model)
-        for m in modules:
-            m.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield
-        finally:
-            for m in modules:
-                m.set_requires_gradient_sync(True, recurse=False)
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return no_gradient_sync(model)

@@ -34,6 +34,9 @@ class FakeContext:
     def clip_grad_norm(self, model, max_norm, optimizer=None):
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
+    def autocast(self):
+        return contextlib.nullcontext()
+
 
 def test_lr_warms_up_linearly_then_decays_to_the_floor():
     opts = TrainOptions(steps=100, warmup_steps=10, min_lr_ratio=0.1)
