@@ -23,13 +23,13 @@ Every Ray Train quirk the checkpoint code depends on is handled here
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
 import ray.train
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ray_fsdp_backend.checkpoint.layout import choose_resume
@@ -107,7 +107,7 @@ def _marker_of(checkpoint: ray.train.Checkpoint) -> str | None:
 
 
 def _log_choice(store: CheckpointStore, name: str, handed) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
+    if dist.get_rank() != 0:
         return
     handed_name = None if handed is None else PurePosixPath(handed.path).name
     _logger.info(

@@ -1,5 +1,6 @@
 """Sharded checkpoints on gloo ranks without Ray: resharding across world size
-and strategy, crash during save, mismatched models, RNG/extra state, export."""
+and strategy, crash during save, mismatched models, RNG/extra state, export
+(checked in a fresh process without this package)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -146,7 +146,8 @@ def _restore_after_crash(rank, world_size, root):
             load_sharded(store, name, other, other_opt)
         errors.append(str(info.value))
     next_name = save_sharded(store, model, opt, extra_state={"step": 3})
-    return name, extra, state, errors, next_name, sorted(os.listdir(root))
+    listing = sorted(os.listdir(root))
+    return name, extra, state, errors, next_name, listing, _export(rank, root)
 
 
 def test_crash_during_save_resumes_previous_and_mismatch_names_keys(tmp_path):
@@ -155,7 +156,7 @@ def test_crash_during_save_resumes_previous_and_mismatch_names_keys(tmp_path):
     partial = tmp_path / "checkpoint_000002"
     assert (partial / ".metadata").exists() and not (partial / "COMPLETE").exists()
 
-    name, extra, state, errors, next_name, listing = run_ranks(
+    name, extra, state, errors, next_name, listing, exported = run_ranks(
         _restore_after_crash, 2, str(tmp_path)
     )
     assert name == "checkpoint_000001"
@@ -172,6 +173,7 @@ def test_crash_during_save_resumes_previous_and_mismatch_names_keys(tmp_path):
     # The next save goes after the partial one, and the partial one is deleted.
     assert next_name == "checkpoint_000003"
     assert "checkpoint_000002" not in listing and "checkpoint_000001" in listing
+    _check_export_in_fresh_process(tmp_path, *exported)
 
 
 def test_extra_state_that_needs_pickle_is_refused_before_writing():
@@ -182,20 +184,18 @@ def test_extra_state_that_needs_pickle_is_refused_before_writing():
 # -- export -----------------------------------------------------------------
 
 
-def _export(rank, world_size, path):
+def _export(rank, root):
+    """Export a trained FSDP model with tied input/output weights; return the
+    file and the wrapped model's outputs on a probe batch."""
     model, opt = _wrap(FSDP, rank, dim_in=16, dim=16, dim_out=16, tied=True)
-    _step_tied(model, opt)
-    export_model(model, path)
-    x = make_batch(4, dim_in=16, dim_out=16, seed=5)[0]
-    with torch.no_grad():
-        return model(x)
-
-
-def _step_tied(model, opt):
-    x, y = make_batch(8, dim_in=16, dim_out=16, seed=dist.get_rank() + 2)
+    x, y = make_batch(8, dim_in=16, dim_out=16, seed=rank + 2)
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
+    path = export_model(model, os.path.join(root, "export", "model.safetensors"))
+    probe = make_batch(4, dim_in=16, dim_out=16, seed=5)[0]
+    with torch.no_grad():
+        return path, model(probe)
 
 
 _LOAD_PLAIN = textwrap.dedent(
@@ -213,9 +213,9 @@ _LOAD_PLAIN = textwrap.dedent(
 )
 
 
-def test_export_loads_into_plain_model_in_fresh_process(tmp_path):
-    path = str(tmp_path / "model.safetensors")
-    wrapped_out = run_ranks(_export, 2, path)
+def _check_export_in_fresh_process(tmp_path, path, wrapped_out):
+    """The export loads into a plain ToyNet in a process that never imports
+    this package, and gives the wrapped model's outputs."""
     out_file = str(tmp_path / "plain_out.pt")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run(

@@ -3,9 +3,9 @@
 ``train_resumable`` trains ToyNet with AdamW on data that depends on the step
 and on each rank's torch generator (so an exact resume needs the model, the
 optimizer moments, the step and the RNG state), checkpoints every
-``every`` steps and can inject faults on chosen attempts: a worker process
-dies (``os._exit``) mid-step, right after a checkpoint was reported, or
-during a save before the checkpoint is committed. Per-attempt facts go to
+``every`` steps and can inject faults, each once per run: a worker process dies
+(``os._exit``) mid-step, right after a checkpoint was reported, or during a
+save before the checkpoint is committed. Per-attempt facts go to
 JSON files in ``loop_config["fault_dir"]``.
 """
 
@@ -55,16 +55,23 @@ def _mean(value: float, ctx) -> float:
     return float(t) / ctx.world_size
 
 
-def _fault(faults: list[dict], attempt: int, rank: int, step: int, where: str) -> bool:
-    return any(
-        f["attempt"] == attempt and f["rank"] == rank and f["step"] == step and f["where"] == where
-        for f in faults
-    )
+def _fault(loop_config: dict, attempt: int, rank: int, step: int, where: str) -> bool:
+    """Whether an injected fault fires here: each fires once per run (its
+    ``fired_<i>`` file records the attempt), so a restart does not repeat it."""
+    for i, f in enumerate(loop_config.get("faults", [])):
+        if (f["rank"], f["step"], f["where"]) != (rank, step, where):
+            continue
+        marker = os.path.join(loop_config["fault_dir"], f"fired_{i}")
+        if not os.path.exists(marker):
+            with open(marker, "w") as out:
+                out.write(str(attempt))
+            return True
+    return False
 
 
 def train_resumable(loop_config: dict) -> dict:
     ctx = rfb.get_context()
-    fault_dir, faults = loop_config["fault_dir"], loop_config.get("faults", [])
+    fault_dir = loop_config["fault_dir"]
     attempt = next_attempt(fault_dir)
     torch.manual_seed(1000 + ctx.world_rank)
     model = ctx.wrap(reference_model())
@@ -80,7 +87,7 @@ def train_resumable(loop_config: dict) -> dict:
     path = os.path.join(fault_dir, f"attempt_{attempt}.json")
 
     for step in range(start + 1, loop_config["steps"] + 1):
-        if _fault(faults, attempt, ctx.world_rank, step, "mid_step"):
+        if _fault(loop_config, attempt, ctx.world_rank, step, "mid_step"):
             os._exit(1)
         x, y = _batch(ctx, step)
         opt.zero_grad()
@@ -93,12 +100,12 @@ def train_resumable(loop_config: dict) -> dict:
                 json.dump(record, f)
         if step % loop_config["every"]:
             continue
-        if _fault(faults, attempt, ctx.world_rank, step, "during_save"):
+        if _fault(loop_config, attempt, ctx.world_rank, step, "during_save"):
             sharded.commit_checkpoint = lambda *args: os._exit(1)  # shards written, no marker
         ctx.save_checkpoint(
             model, opt, {"step": step, "loss": record["losses"][step]}, extra_state={"step": step}
         )
-        if _fault(faults, attempt, ctx.world_rank, step, "after_save"):
+        if _fault(loop_config, attempt, ctx.world_rank, step, "after_save"):
             os._exit(1)
     if loop_config.get("export"):
         ctx.export_model(model, loop_config["export"])
