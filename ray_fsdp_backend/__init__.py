@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
+    "CheckpointMismatchError": "ray_fsdp_backend.checkpoint",
     "FSDPConfig": "ray_fsdp_backend.config",
     "ShardingStrategy": "ray_fsdp_backend.config",
     "TrainContext": "ray_fsdp_backend.context",
@@ -27,6 +28,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "CheckpointMismatchError",
     "DDPStrategy",
     "DistributionStrategy",
     "FSDPConfig",
@@ -38,6 +40,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.config import FSDPConfig, ShardingStrategy
     from ray_fsdp_backend.context import TrainContext, get_context
     from ray_fsdp_backend.strategies import (
