@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from benchmarks import _measure
 
 FP32_BYTES = 4
 
@@ -54,19 +55,6 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(Layer(d) for _ in range(n_layers))
 
 
-def _time_steps(step, steps: int, sync=lambda: None) -> float:
-    """Median seconds per call of ``step`` after one warm-up call."""
-    step()
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -79,18 +67,23 @@ def _fill_grads(model: nn.Module, seed: int) -> None:
         _local(p.grad).copy_(torch.randn(_local(p).shape, generator=g))
 
 
-def reference_step_ms(d: int, n_layers: int, steps: int) -> float:
-    """``torch.optim.Muon`` (bf16 Newton–Schulz) on one process, full matrices."""
-    torch.set_num_threads(1)
+def _torch_muon(d: int, n_layers: int) -> torch.optim.Optimizer:
+    """``torch.optim.Muon`` (bf16 Newton–Schulz) on full, unsharded matrices."""
     torch.manual_seed(0)
     model = Stack(d, n_layers)
-    opt = torch.optim.Muon(model.parameters(), lr=0.02)
     _fill_grads(model, 0)
-    return 1e3 * _time_steps(opt.step, steps)
+    return torch.optim.Muon(model.parameters(), lr=0.02)
 
 
-def _dmuon_on_ranks(rank: int, world_size: int, sizes, n_layers: int, steps: int) -> list[dict]:
-    """Run on every rank: one DMuon measurement per size; rank 0 returns all."""
+def _dmuon_on_ranks(
+    rank: int, world_size: int, sizes, n_layers: int, reps: int, steps: int
+) -> list[dict]:
+    """Run on every rank: one DMuon measurement per size; rank 0 returns all.
+
+    DMuon's step alternates with ``torch.optim.Muon`` over the full matrices,
+    which every rank runs on its own at the same time (one core each): the
+    single-process reference, measured beside DMuon under the same load.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -107,13 +100,16 @@ def _dmuon_on_ranks(rank: int, world_size: int, sizes, n_layers: int, steps: int
         fully_shard(model, mesh=mesh)
         opt = Muon(model, lr=0.02)
         _fill_grads(model, rank)
-        opt.step()  # warm-up outside the Newton–Schulz timer
+        reference = _torch_muon(d, n_layers)
+        opt.step(), reference.step()  # warm-up outside the timers
         with _NSTimer() as ns:
-            step_s = _time_steps(opt.step, steps, sync=dist.barrier)
+            times = _measure.alternate(
+                {"dmuon": opt.step, "torch_muon": reference.step},
+                reps=reps, steps=steps, warmup=0,
+            )  # fmt: skip
         stats = opt.last_step_stats
         row = dict(
-            step_s=step_s,
-            ns_s=ns.seconds / (steps + 1),
+            ns_s=ns.seconds / (reps * steps),
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
             momentum_bytes=opt.momentum_numel() * FP32_BYTES,
@@ -121,7 +117,8 @@ def _dmuon_on_ranks(rank: int, world_size: int, sizes, n_layers: int, steps: int
         )
         rows = [None] * world_size
         dist.all_gather_object(rows, row)
-        out.append(_summarise_ranks(rows))
+        out.append({**_measure.compare(times["dmuon"], times["torch_muon"]),
+                    **_summarise_ranks(rows)})  # fmt: skip
     return out
 
 
@@ -149,7 +146,6 @@ class _NSTimer:
 
 def _summarise_ranks(rows: list[dict]) -> dict:
     return {
-        "step_ms": 1e3 * max(r["step_s"] for r in rows),
         "ns_ms_per_rank": [round(1e3 * r["ns_s"], 3) for r in rows],
         "bytes_sent_per_rank": max(r["bytes_sent"] for r in rows),
         "bytes_received_per_rank": max(r["bytes_received"] for r in rows),
@@ -175,16 +171,16 @@ def run(
     sizes: tuple[int, ...] = (64, 128),
     ranks: tuple[int, ...] = (1, 2),
     n_layers: int = 4,
-    steps: int = 5,
+    reps: int = 5,
+    steps: int = 2,
 ) -> dict:
     """Benchmark results as a JSON-ready dict (see the module docstring)."""
     from tests.dist.harness import run_ranks
 
-    dmuon = {r: run_ranks(_dmuon_on_ranks, r, tuple(sizes), n_layers, steps) for r in ranks}
+    dmuon = {r: run_ranks(_dmuon_on_ranks, r, tuple(sizes), n_layers, reps, steps) for r in ranks}
     results = []
     for k, d in enumerate(sizes):
         row = {"d_model": d, "n_layers": n_layers, "num_matrices": 4 * n_layers}
-        row["torch_muon_step_ms"] = reference_step_ms(d, n_layers, steps)
         row["momentum_bytes_single_process"] = analytic_bytes(d, n_layers, 1)["param_bytes"]
         row["dmuon"] = {str(r): {**dmuon[r][k], **analytic_bytes(d, n_layers, r)} for r in ranks}
         results.append(row)
@@ -202,9 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
-    print(json.dumps(run(tuple(args.sizes), tuple(args.ranks), args.layers, args.steps), indent=2))
+    result = run(tuple(args.sizes), tuple(args.ranks), args.layers, args.reps, args.steps)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,21 +22,18 @@ from ray_fsdp_backend.strategies import build_strategy
 from ray_fsdp_backend.topology import MeshLayout, Topology, WorkerInfo
 
 
-def collect_worker_info() -> WorkerInfo:
-    """This worker's rank, Ray node and GPUs."""
-    return WorkerInfo(
+def describe_worker() -> tuple[WorkerInfo, tuple[str, int]]:
+    """This worker's rank, Ray node and GPUs, and an address it could host the
+    rendezvous on (its node's IP and a free port there; rank 0's is used)."""
+    info = WorkerInfo(
         world_rank=ray.train.get_context().get_world_rank(),
         node_id=ray.get_runtime_context().get_node_id(),
         gpu_ids=tuple(int(g) for g in ray.get_gpu_ids()),
     )
-
-
-def find_rendezvous_address() -> tuple[str, int]:
-    """This node's IP and a free port on it, for rank 0 to listen on."""
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return info, (ray.util.get_node_ip_address(), port)
 
 
 def _select_device() -> torch.device:

@@ -46,13 +46,13 @@ class FSDPBackend(Backend):
     share_cuda_visible_devices: bool = True
 
     def on_start(self, worker_group, backend_config: FSDPConfig) -> None:
-        infos = worker_group.execute(_worker.collect_worker_info)
+        described = worker_group.execute(_worker.describe_worker)
+        infos = [info for info, _ in described]
         topology = compute_topology(infos)
         layout = resolve_layout(backend_config, topology)
         uses_gpu = any(info.gpu_ids for info in infos)
         pg_backend = resolve_pg_backend(backend_config, uses_gpu)
-        rank0 = next(i for i, info in enumerate(infos) if info.world_rank == 0)
-        addr, port = worker_group.execute_single(rank0, _worker.find_rendezvous_address)
+        addr, port = next(address for info, address in described if info.world_rank == 0)
         _logger.info(
             "ray_fsdp_backend: %d workers on %d nodes, mesh %s %s, backend %s",
             topology.world_size,

@@ -1,0 +1,192 @@
+"""Markdown tables of ``benchmarks.run`` results (what the README quotes)."""
+
+from __future__ import annotations
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _ratio(t: dict) -> str:
+    return f"{t['ratio']:.3f} ({t['ratio_min']:.2f}–{t['ratio_max']:.2f})"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _step_time(results: list[dict]) -> list[str]:
+    rows = [
+        [
+            r["world_size"],
+            s["strategy"],
+            "×".join(map(str, s["mesh"])),
+            f"{s['time']['a_ms']:.1f}",
+            f"{s['time']['b_ms']:.1f}",
+            _ratio(s["time"]),
+            "yes" if s["same_loss"] else "NO",
+        ]
+        for r in results
+        for s in r["strategies"]
+    ]
+    header = ["ranks", "strategy", "mesh", "ours ms", "hand-written ms", "ratio (min–max)"]
+    return [
+        "### 1. Step time: `ctx.wrap` + `clip_grad_norm` + `no_sync` vs hand-written "
+        "`fully_shard` (target ratio ≤ 1.02)",
+        "",
+        *_table([*header, "same first loss"], rows),
+    ]
+
+
+def _memory(results: list[dict]) -> list[str]:
+    rows = []
+    for r in results:
+        for s in r["strategies"]:
+            m = s["memory"]
+            rows.append(
+                [
+                    r["world_size"],
+                    s["strategy"],
+                    _mib(m["total_per_rank"]),
+                    _mib(sum(m["hand"].values())),
+                    _mib(m["ideal_total_over_n"]),
+                    f"{m['vs_ideal']:.2f}",
+                    f"{m['vs_ddp']:.2f}",
+                    _mib(m["plan_estimate"]),
+                ]
+            )
+        rows.append([r["world_size"], "ddp", _mib(r["ddp"]["total_per_rank"]), "", "", "", "1.00",
+                     _mib(r["ddp"]["plan_estimate"])])  # fmt: skip
+    header = ["ranks", "strategy", "ours MiB/rank", "hand-written MiB/rank", "ideal total/N MiB",
+              "vs ideal", "vs DDP", "`ray-fsdp plan` MiB"]  # fmt: skip
+    return [
+        "### 2. Memory per rank: parameters + gradients + AdamW state (largest rank)",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def _clipping(results: list[dict]) -> list[str]:
+    rows = [
+        [
+            r["world_size"],
+            row["tensors"],
+            f"{row['time']['a_ms']:.2f}",
+            f"{row['time']['b_ms']:.2f}",
+            _ratio(row["time"]),
+            row["ours_collectives"],
+            row["torch_collectives"],
+        ]
+        for r in results
+        for row in r["rows"]
+    ]
+    header = ["ranks", "tensors", "ours ms", "torch ms", "ratio", "ours collectives",
+              "torch collectives"]  # fmt: skip
+    mixed = results[0]["mixed_sharded_and_plain"]
+    return [
+        "### 3. Clipping: global-norm clip vs `torch.nn.utils.clip_grad_norm_` on DTensor grads",
+        "",
+        *_table(header, rows),
+        f"Sharded and plain gradients in one call: ours {mixed['ours']}; torch {mixed['torch']}.",
+        "",
+    ]
+
+
+def _startup(r: dict) -> list[str]:
+    return [
+        "### 4. Start-up: `fit()` to the end of the first step (target ≤ +1 s)",
+        "",
+        *_table(
+            ["workers", "FSDPConfig s", "TorchConfig + hand-written FSDP2 s", "extra s", "fits"],
+            [
+                [
+                    r["workers"],
+                    f"{r['ours_s']:.2f}",
+                    f"{r['ray_torch_config_s']:.2f}",
+                    f"{r['extra_s']:+.2f}",
+                    2 * r["reps"],
+                ]
+            ],  # fmt: skip
+        ),
+    ]
+
+
+def _dmuon(r: dict) -> list[str]:
+    rows = []
+    for size in r["results"]:
+        for ranks, d in size["dmuon"].items():
+            rows.append(
+                [
+                    size["d_model"],
+                    ranks,
+                    f"{d['a_ms']:.1f}",
+                    f"{d['b_ms']:.1f}",
+                    _ratio(d),
+                    _mib(d["bytes_sent_per_rank"]),
+                    _mib(d["fsdp_adamw_step_bytes_per_rank"]),
+                    _mib(max(d["momentum_bytes_per_rank"])),
+                    _mib(size["momentum_bytes_single_process"]),
+                    "/".join(map(str, d["ns_matrices_per_rank"])),
+                ]
+            )
+    header = ["d_model", "ranks", "DMuon step ms", "torch Muon ms", "ratio",
+              "DMuon MiB sent/rank", "FSDP2+AdamW step MiB sent/rank", "momentum MiB/rank",
+              "momentum MiB, 1 process", "NS matrices per rank"]  # fmt: skip
+    return [
+        "### 5. DMuon optimizer step vs single-process `torch.optim.Muon` (bf16 NS)",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def _scaling(r: dict) -> list[str]:
+    rows = [
+        [
+            series,
+            row["dim"],
+            row["n_layers"],
+            f"{row['params']:,}",
+            f"{row['step_ms']:.1f}",
+            f"{row['flops_ratio']:.2f}",
+            f"{row['time_ratio']:.2f}",
+            f"{row['params_ratio']:.2f}",
+            f"{row['memory_ratio']:.2f}",
+        ]
+        for series, series_rows in r["series"].items()
+        for row in series_rows
+    ]
+    header = ["doubling", "dim", "layers", "params", "step ms", "FLOPs ×", "time ×",
+              "params ×", "memory/rank ×"]  # fmt: skip
+    return [
+        f"### 6. Scaling: {r['strategy']} on {r['world_size']} ranks as width and depth double",
+        "",
+        *_table(header, rows),
+    ]
+
+
+SECTIONS = {
+    "step_time": lambda r: _step_time(r) + _memory(r),
+    "clipping": _clipping,
+    "startup": _startup,
+    "dmuon": _dmuon,
+    "scaling": _scaling,
+}
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        f"## Benchmark results ({results['mode']})",
+        "",
+        f"{m['date']}, commit `{m['commit']}`: {m['cpu_cores']} CPU cores ({m['processor']}), "
+        f"{m['platform']}, Python {m['python']}, torch {m['torch']}, Ray {m['ray']}, "
+        f"{m['backend']}. Times are medians; a ratio is the median of per-repetition ratios "
+        "of adjacent, alternating A/B blocks.",
+        "",
+    ]
+    for name, render in SECTIONS.items():
+        if name in results:
+            lines += render(results[name])
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""One command for every comparison: ``python -m benchmarks.run``.
+
+Runs, side by side in one run (A and B alternating, several repetitions,
+medians and the median ratio):
+
+1. step time, ours vs hand-written ``fully_shard`` (``step_time``);
+2. memory per rank vs the ideal total/N and DDP (``step_time``);
+3. clipping time and collectives vs ``torch.nn.utils.clip_grad_norm_`` (``clipping``);
+4. start-up, ``FSDPConfig`` vs Ray's ``TorchConfig`` + hand-written FSDP2 (``startup``);
+5. the DMuon optimizer step vs ``torch.optim.Muon`` (``dmuon_bench``);
+6. step time and memory as width and depth double (``scaling``);
+
+and writes ``results.json`` and ``results.md`` into ``--out``
+(default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
+test suite's smoke run); ``--only`` picks comparisons by name.
+
+    python -m benchmarks.run                       # everything, ~15 min on 2 cores
+    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks import clipping, dmuon_bench, report, scaling, startup, step_time
+from tests.dist.harness import run_ranks
+
+COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling")
+
+TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
+SMALL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, seq_len=64)
+
+ONE_STEP = dict(batch=4, accum=1, reps=5, steps=2)
+QUICK_STEP = dict(batch=2, accum=1, reps=2, steps=1)
+
+SETTINGS = {
+    "full": {
+        "step_time": dict(worlds=(2, 4), model=SMALL, batch=4, accum=2, reps=7, steps=3),
+        "clipping": dict(worlds=(2, 4), counts=clipping.TENSOR_COUNTS, reps=7, steps=3),
+        "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
+        "dmuon": dict(sizes=(64, 128, 256), ranks=(1, 2), steps=5),
+        "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
+    },
+    "quick": {
+        "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
+        "clipping": dict(worlds=(2,), counts=(10, 100), reps=2, steps=1),
+        "startup": dict(model=TINY, batch=2, workers=2, reps=1, warmup=False),
+        "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
+        "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
+    },
+}
+
+
+def _on_rank(rank: int, world: int, fn, kwargs: dict) -> dict:
+    # One intra-op thread per rank: on a shared machine, OpenMP threads that
+    # wait for a busy core make timings meaningless.
+    torch.set_num_threads(1)
+    return fn(rank, world, **kwargs)
+
+
+def run_step_time(worlds, model, batch, accum, reps, steps) -> list[dict]:
+    kwargs = dict(model=model, batch=batch, accum=accum, reps=reps, steps=steps)
+    return [run_ranks(_on_rank, w, step_time.on_rank, kwargs) for w in worlds]
+
+
+def run_clipping(worlds, counts, reps, steps) -> list[dict]:
+    kwargs = dict(counts=tuple(counts), reps=reps, steps=steps)
+    return [run_ranks(_on_rank, w, clipping.on_rank, kwargs) for w in worlds]
+
+
+def run_startup(**kwargs) -> dict:
+    import ray
+
+    # The dashboard stays on so that Train V2's placement-group cleaner asks
+    # this cluster's State API, not another cluster's (see tests/conftest.py).
+    ray.init(address="local", num_cpus=kwargs["workers"] + 1, include_dashboard=True,
+             log_to_driver=False)  # fmt: skip
+    try:
+        with tempfile.TemporaryDirectory() as storage:
+            return startup.run(**kwargs, storage=storage)
+    finally:
+        ray.shutdown()
+
+
+def run_dmuon(sizes, ranks, steps) -> dict:
+    return dmuon_bench.run(sizes=tuple(sizes), ranks=tuple(ranks), steps=steps)
+
+
+def run_scaling(world, **kwargs) -> dict:
+    return run_ranks(_on_rank, world, scaling.on_rank, kwargs)
+
+
+RUNNERS = {
+    "step_time": run_step_time,
+    "clipping": run_clipping,
+    "startup": run_startup,
+    "dmuon": run_dmuon,
+    "scaling": run_scaling,
+}
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    import ray
+
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "backend": "gloo/cpu",
+        "commit": commit,
+    }
+
+
+def run(mode: str = "full", only: tuple[str, ...] = COMPARISONS) -> dict:
+    """Every selected comparison's results, as one JSON-ready dict."""
+    results = {"mode": mode, "machine": machine(), "settings": {}}
+    for name in only:
+        settings = SETTINGS[mode][name]
+        results["settings"][name] = settings
+        results[name] = RUNNERS[name](**settings)
+    return results
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest sizes (smoke run)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--only", nargs="+", choices=COMPARISONS, default=list(COMPARISONS), metavar="NAME",
+        help=f"comparisons to run, of: {', '.join(COMPARISONS)}",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    results = run("quick" if args.quick else "full", tuple(args.only))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "results.md").write_text(report.markdown(results))
+    print(report.markdown(results))
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
