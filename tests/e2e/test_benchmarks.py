@@ -1,0 +1,88 @@
+"""Smoke run of the benchmarks at their smallest sizes, so that they never rot.
+
+No timing is asserted (timings belong in the benchmark's output); what is
+checked is what must hold whatever the machine's speed: both sides of every
+comparison do the same work, the clip's collective count does not grow with
+the number of tensors, memory follows the sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import run
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = run.main(["--quick", "--out", str(tmp_path_factory.mktemp("bench"))])
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_every_comparison_is_reported(results):
+    data, md = results
+    assert set(run.COMPARISONS) <= set(data)
+    for heading in ("1. Step time", "2. Memory", "3. Clipping", "4. Start-up", "5. DMuon",
+                    "6. Scaling"):  # fmt: skip
+        assert f"### {heading}" in md
+    assert data["machine"]["torch"] == torch.__version__
+
+
+def test_step_time_sides_do_the_same_work(results):
+    data, _ = results
+    for world in data["step_time"]:
+        for row in world["strategies"]:
+            assert row["same_loss"], row["strategy"]
+            assert row["time"]["reps"] == data["settings"]["step_time"]["reps"]
+            memory = row["memory"]
+            assert memory["ours"] == memory["hand"], row["strategy"]
+            if row["strategy"] != "hybrid_shard":  # 2 ranks: replicate 2 x shard 1
+                assert memory["vs_ideal"] == pytest.approx(1.0, rel=0.05)
+            assert memory["plan_estimate"] == pytest.approx(memory["total_per_rank"], rel=0.1)
+
+
+def test_clip_collectives_do_not_grow_with_tensors(results):
+    data, _ = results
+    for world in data["clipping"]:
+        counts = {row["ours_collectives"] for row in world["rows"]}
+        assert counts == {1}
+        assert all(r["ours_reported_collectives"] == 1 for r in world["rows"])
+        assert world["mixed_sharded_and_plain"]["ours"].startswith("ok")
+
+
+def test_startup_and_dmuon_and_scaling_measured(results):
+    data, _ = results
+    assert data["startup"]["ours_s"] > 0 and data["startup"]["ray_torch_config_s"] > 0
+    for size in data["dmuon"]["results"]:
+        for ranks, row in size["dmuon"].items():
+            # Every matrix orthogonalised exactly once across the ranks.
+            assert sum(row["ns_matrices_per_rank"]) == size["num_matrices"]
+            total = size["momentum_bytes_single_process"]
+            assert max(row["momentum_bytes_per_rank"]) <= total / int(ranks) * 1.5
+    for series in data["scaling"]["series"].values():
+        for row in series:
+            assert row["memory_ratio"] == pytest.approx(row["params_ratio"], rel=0.05)
+
+
+def test_gpu_benchmark_runs_on_cpu_and_skips_without_gpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--cpu", "--preset", "tiny", "--batch", "1",
+           "--steps", "1", "--reps", "1", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    data = json.loads(out.read_text())
+    assert data["process_group"]["all_reduce_ok"]
+    assert data["throughput"]["ours"]["tokens_per_s"] > 0
+    assert {tuple(r["shape"][1:]) for r in data["newton_schulz_bf16"]} == {
+        (128, 128), (384, 128), (128, 384)
+    }  # fmt: skip
+    if not torch.cuda.is_available():
+        skipped = subprocess.run([sys.executable, "-m", "benchmarks.gpu"], check=True,
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert "skipped, no CUDA GPU" in skipped.stdout
