@@ -74,6 +74,7 @@ def _norm_input(grad: torch.Tensor) -> tuple[tuple, torch.Tensor, torch.Tensor]:
     return (grad.device_mesh, axes), grad.to_local(), to_scale
 
 
+@torch.no_grad()  # also makes DTensor.to_local() ~40x cheaper (no autograd node)
 def compute_global_sq_norm(grads: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Sum of squares of all ``grads`` across all ranks, and collectives issued.
 
@@ -111,6 +112,7 @@ def _bucket_order(item) -> tuple:
     return (1, tuple(mesh.mesh.flatten().tolist()), axes)
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, *, eps: float = 1e-6
 ) -> ClipStats:

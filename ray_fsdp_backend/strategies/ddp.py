@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -15,6 +16,20 @@ from ray_fsdp_backend.strategies.blocks import (
     has_meta_tensors,
     materialize_meta_module,
 )
+
+_HAS_FORWARD_SYNC = (
+    "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+)
+
+
+def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
+    """DDP's buffer-sync argument. torch 2.13 deprecates ``broadcast_buffers``
+    for ``forward_sync_buffers``; True means the same under either name, but
+    only the old ``broadcast_buffers=False`` also skips the sync at
+    construction (rank-local buffers), so False keeps the old name."""
+    if broadcast_buffers and _HAS_FORWARD_SYNC:
+        return {"forward_sync_buffers": True}
+    return {"broadcast_buffers": broadcast_buffers}
 
 
 class DDPStrategy(DistributionStrategy):
@@ -39,7 +54,7 @@ class DDPStrategy(DistributionStrategy):
             device_ids=[self.device] if on_gpu else None,
             output_device=self.device if on_gpu else None,
             find_unused_parameters=self.config.find_unused_parameters,
-            broadcast_buffers=self.config.broadcast_buffers,
+            **_buffer_sync_kwargs(self.config.broadcast_buffers),
             bucket_cap_mb=self.config.bucket_cap_mb,
         )
 

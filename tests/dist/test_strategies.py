@@ -244,3 +244,44 @@ def _all_strategies(rank, world, local_world):
 def test_every_strategy_matches_single_process(world):
     done = run_ranks(_all_strategies, world, world // 2)
     assert len(done) == len(STRATEGIES) * len(CHECKS)
+
+
+class _Counter(torch.nn.Module):
+    """A linear layer and a buffer that differs on every rank."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.register_buffer("seen", torch.full((1,), float(rank)))
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _ddp_buffers(rank, world):
+    import warnings
+
+    out = {}
+    for broadcast in (True, False):
+        strategy = build_strategy(
+            _config("ddp", broadcast_buffers=broadcast), device=torch.device("cpu"), local_rank=rank
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = strategy.wrap(_Counter(rank))
+        model(torch.ones(1, 2)).sum().backward()
+        seen = [None] * world
+        dist.all_gather_object(seen, float(model.module.seen))
+        out[broadcast] = {
+            "seen": seen,
+            "deprecation": any(issubclass(w.category, FutureWarning) for w in caught),
+        }
+    return out
+
+
+def test_ddp_broadcast_buffers():
+    """True: every rank gets rank 0's buffers (and no deprecation warning
+    from torch 2.13's renamed argument); False: buffers stay rank-local."""
+    out = run_ranks(_ddp_buffers, 2)
+    assert out[True] == {"seen": [0.0, 0.0], "deprecation": False}
+    assert out[False]["seen"] == [0.0, 1.0]
