@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+README_START = "<!-- benchmark results: start (python -m benchmarks.run --update-readme) -->"
+README_END = "<!-- benchmark results: end -->"
+
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
@@ -33,7 +38,7 @@ def _step_time(results: list[dict]) -> list[str]:
     ]
     header = ["ranks", "strategy", "mesh", "ours ms", "hand-written ms", "ratio (min–max)"]
     return [
-        "### 1. Step time: `ctx.wrap` + `clip_grad_norm` + `no_sync` vs hand-written "
+        "#### 1. Step time: `ctx.wrap` + `clip_grad_norm` + `no_sync` vs hand-written "
         "`fully_shard` (target ratio ≤ 1.02)",
         "",
         *_table([*header, "same first loss"], rows),
@@ -62,7 +67,7 @@ def _memory(results: list[dict]) -> list[str]:
     header = ["ranks", "strategy", "ours MiB/rank", "hand-written MiB/rank", "ideal total/N MiB",
               "vs ideal", "vs DDP", "`ray-fsdp plan` MiB"]  # fmt: skip
     return [
-        "### 2. Memory per rank: parameters + gradients + AdamW state (largest rank)",
+        "#### 2. Memory per rank: parameters + gradients + AdamW state (largest rank)",
         "",
         *_table(header, rows),
     ]
@@ -86,7 +91,7 @@ def _clipping(results: list[dict]) -> list[str]:
               "torch collectives"]  # fmt: skip
     mixed = results[0]["mixed_sharded_and_plain"]
     return [
-        "### 3. Clipping: global-norm clip vs `torch.nn.utils.clip_grad_norm_` on DTensor grads",
+        "#### 3. Clipping: global-norm clip vs `torch.nn.utils.clip_grad_norm_` on DTensor grads",
         "",
         *_table(header, rows),
         f"Sharded and plain gradients in one call: ours {mixed['ours']}; torch {mixed['torch']}.",
@@ -96,7 +101,7 @@ def _clipping(results: list[dict]) -> list[str]:
 
 def _startup(r: dict) -> list[str]:
     return [
-        "### 4. Start-up: `fit()` to the end of the first step (target ≤ +1 s)",
+        "#### 4. Start-up: `fit()` to the end of the first step (target ≤ +1 s)",
         "",
         *_table(
             ["workers", "FSDPConfig s", "TorchConfig + hand-written FSDP2 s", "extra s", "fits"],
@@ -135,7 +140,7 @@ def _dmuon(r: dict) -> list[str]:
               "DMuon MiB sent/rank", "FSDP2+AdamW step MiB sent/rank", "momentum MiB/rank",
               "momentum MiB, 1 process", "NS matrices per rank"]  # fmt: skip
     return [
-        "### 5. DMuon optimizer step vs single-process `torch.optim.Muon` (bf16 NS)",
+        "#### 5. DMuon optimizer step vs single-process `torch.optim.Muon` (bf16 NS)",
         "",
         *_table(header, rows),
     ]
@@ -160,7 +165,7 @@ def _scaling(r: dict) -> list[str]:
     header = ["doubling", "dim", "layers", "params", "step ms", "FLOPs ×", "time ×",
               "params ×", "memory/rank ×"]  # fmt: skip
     return [
-        f"### 6. Scaling: {r['strategy']} on {r['world_size']} ranks as width and depth double",
+        f"#### 6. Scaling: {r['strategy']} on {r['world_size']} ranks as width and depth double",
         "",
         *_table(header, rows),
     ]
@@ -178,7 +183,7 @@ SECTIONS = {
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [
-        f"## Benchmark results ({results['mode']})",
+        f"### Latest results ({results['mode']})",
         "",
         f"{m['date']}, commit `{m['commit']}`: {m['cpu_cores']} CPU cores ({m['processor']}), "
         f"{m['platform']}, Python {m['python']}, torch {m['torch']}, Ray {m['ray']}, "
@@ -190,3 +195,17 @@ def markdown(results: dict) -> str:
         if name in results:
             lines += render(results[name])
     return "\n".join(lines)
+
+
+def update_readme(readme: Path, table: str) -> None:
+    """Replace the README's text between the benchmark markers with ``table``.
+
+    Raises:
+        ValueError: the README lacks the markers.
+    """
+    text = readme.read_text()
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{readme} has no '{README_START}' ... '{README_END}' section")
+    head = text[: start + len(README_START)]
+    readme.write_text(f"{head}\n\n{table.strip()}\n\n{text[end:]}")

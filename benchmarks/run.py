@@ -14,8 +14,9 @@ and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
 test suite's smoke run); ``--only`` picks comparisons by name.
 
-    python -m benchmarks.run                       # everything, ~15 min on 2 cores
-    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~2 min
+    python -m benchmarks.run                       # everything, ~4 min on 2 cores
+    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~1 min
+    python -m benchmarks.run --update-readme       # and put the tables into README.md
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ QUICK_STEP = dict(batch=2, accum=1, reps=2, steps=1)
 
 SETTINGS = {
     "full": {
-        "step_time": dict(worlds=(2, 4), model=SMALL, batch=4, accum=2, reps=7, steps=3),
+        "step_time": dict(worlds=(2, 4), model=SMALL, batch=4, accum=2, reps=11, steps=3),
         "clipping": dict(worlds=(2, 4), counts=clipping.TENSOR_COUNTS, reps=7, steps=3),
         "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
         "dmuon": dict(sizes=(64, 128, 256), ranks=(1, 2), steps=5),
@@ -150,12 +151,18 @@ def main(argv: list[str] | None = None) -> Path:
         "--only", nargs="+", choices=COMPARISONS, default=list(COMPARISONS), metavar="NAME",
         help=f"comparisons to run, of: {', '.join(COMPARISONS)}",
     )  # fmt: skip
+    parser.add_argument(
+        "--update-readme", action="store_true", help="put the tables into README.md"
+    )
     args = parser.parse_args(argv)
     results = run("quick" if args.quick else "full", tuple(args.only))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "results.md").write_text(report.markdown(results))
-    print(report.markdown(results))
+    table = report.markdown(results)
+    (args.out / "results.md").write_text(table)
+    if args.update_readme:
+        report.update_readme(Path(__file__).parent.parent / "README.md", table)
+    print(table)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
     return args.out
 

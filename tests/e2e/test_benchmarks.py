@@ -31,7 +31,7 @@ def test_every_comparison_is_reported(results):
     assert set(run.COMPARISONS) <= set(data)
     for heading in ("1. Step time", "2. Memory", "3. Clipping", "4. Start-up", "5. DMuon",
                     "6. Scaling"):  # fmt: skip
-        assert f"### {heading}" in md
+        assert f"#### {heading}" in md
     assert data["machine"]["torch"] == torch.__version__
 
 
