@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "CheckpointMismatchError": "ray_fsdp_backend.checkpoint",
-    "FSDPConfig": "ray_fsdp_backend.config",
+    "FSDPConfig": "ray_fsdp_backend.backend",
+    "FSDPSettings": "ray_fsdp_backend.config",
     "ShardingStrategy": "ray_fsdp_backend.config",
     "TrainContext": "ray_fsdp_backend.context",
     "get_context": "ray_fsdp_backend.context",
@@ -32,6 +33,7 @@ __all__ = [
     "DDPStrategy",
     "DistributionStrategy",
     "FSDPConfig",
+    "FSDPSettings",
     "FSDPStrategy",
     "ShardingStrategy",
     "TrainContext",
@@ -40,8 +42,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from ray_fsdp_backend.backend import FSDPConfig
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
-    from ray_fsdp_backend.config import FSDPConfig, ShardingStrategy
+    from ray_fsdp_backend.config import FSDPSettings, ShardingStrategy
     from ray_fsdp_backend.context import TrainContext, get_context
     from ray_fsdp_backend.strategies import (
         DDPStrategy,

@@ -15,7 +15,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context import TrainContext, set_context
 from ray_fsdp_backend.mesh import build_device_mesh
 from ray_fsdp_backend.strategies import build_strategy
@@ -45,7 +45,7 @@ def _select_device() -> torch.device:
 
 
 def setup_worker(
-    config: FSDPConfig,
+    config: FSDPSettings,
     topology: Topology,
     layout: MeshLayout,
     *,

@@ -1,4 +1,13 @@
-"""The Ray Train backend: orchestration only, no per-run state.
+"""The Ray Train backend: ``FSDPConfig`` and the ``Backend`` it names.
+
+``FSDPConfig`` is the settings of :mod:`ray_fsdp_backend.config` made a
+``ray.train.torch.TorchConfig`` (so ``TorchTrainer(torch_config=cfg)`` and
+Train V2's ``DataParallelTrainer(backend_config=cfg)`` accept it). It lives
+here, not in ``config.py``, because Ray's contract has the config name its
+backend class: keeping that edge beside the backend keeps the package's
+imports a tree, with the plain settings at its bottom.
+
+The backend itself is orchestration only, with no per-run state.
 
 ``on_start`` runs in the Train controller. It learns where each worker runs,
 computes the topology and mesh layout (pure, so a bad layout fails here,
@@ -10,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.train.backend import Backend
+from ray.train.torch import TorchConfig
 
 from ray_fsdp_backend import _worker
-from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import compute_topology
 
@@ -27,7 +38,19 @@ SHUTDOWN_TIMEOUT_S = 30
 SETUP_MARGIN_S = 60
 
 
-def resolve_pg_backend(config: FSDPConfig, uses_gpu: bool) -> str:
+@dataclass
+class FSDPConfig(FSDPSettings, TorchConfig):
+    """:class:`~ray_fsdp_backend.config.FSDPSettings` as Ray's ``TorchConfig``:
+    the same fields, validation, ``from_dict``/``from_yaml``/``to_dict``; Ray
+    builds :class:`FSDPBackend` from it and keeps ``TorchConfig``'s per-worker
+    device context."""
+
+    @property
+    def backend_cls(self) -> type[Backend]:
+        return FSDPBackend
+
+
+def resolve_pg_backend(config: FSDPSettings, uses_gpu: bool) -> str:
     """``torch.distributed`` backend string. NCCL on GPUs, with a gloo CPU
     backend beside it when CPU offload keeps gradients on the host (clipping
     then reduces CPU tensors); gloo on CPU."""

@@ -1,11 +1,18 @@
-"""``FSDPConfig``: the one typed, validated configuration of the backend.
+"""``FSDPSettings``: the one typed, validated configuration of the backend.
 
-It is a ``ray.train.torch.TorchConfig`` (so ``TorchTrainer(torch_config=cfg)``
-and Train V2's ``DataParallelTrainer(backend_config=cfg)`` accept it) whose
-fields are the seed strategy's config keys plus the backend's own. Every field
-is checked when the object is built, in the driver, before any worker exists;
-checks that need the cluster layout run first thing in ``Backend.on_start``
-(see :mod:`ray_fsdp_backend.topology`).
+Its fields are the seed strategy's config keys plus the backend's own. Every
+field is checked when the object is built, in the driver, before any worker
+exists; checks that need the cluster layout run first thing in
+``Backend.on_start`` (see :mod:`ray_fsdp_backend.topology`).
+
+This module is the bottom of the package: it imports nothing from it, and
+nothing from Ray. Ray's ``TorchConfig`` contract asks the config for its
+backend class (``backend_cls``), and the backend needs every layer in between
+(topology, mesh, strategies, context), so the Ray-facing subclass,
+:class:`ray_fsdp_backend.backend.FSDPConfig` (``rfb.FSDPConfig``), lives beside
+the backend it names. Everything below the backend (topology, memory, mesh,
+strategies, context, ``build_strategy`` in a torchrun job) reads these plain
+settings, so it can be used and tested without Ray.
 """
 
 from __future__ import annotations
@@ -17,8 +24,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-from ray.train.torch import TorchConfig
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -48,13 +53,13 @@ _BACKENDS = ("nccl", "gloo", "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl")
 
 
 @dataclass
-class FSDPConfig(TorchConfig):
-    """How the backend distributes a model over the Ray Train worker group.
+class FSDPSettings:
+    """How the backend distributes a model over the worker group.
 
-    ``backend``, ``init_method`` and ``timeout_s`` are ``TorchConfig``'s own
-    fields (Ray's trainer assigns ``backend`` on the object, so it stays a
-    plain field). Construction validates every field and raises ``ValueError``
-    naming the field, the value and what is allowed.
+    ``backend``, ``init_method`` and ``timeout_s`` mirror Ray's ``TorchConfig``
+    fields (Ray's trainer assigns ``backend`` on ``rfb.FSDPConfig``, so it stays
+    a plain field). Construction validates every field and raises
+    ``ValueError`` naming the field, the value and what is allowed.
     """
 
     backend: str | None = None
@@ -140,19 +145,12 @@ class FSDPConfig(TorchConfig):
     # -- public helpers -------------------------------------------------
 
     @property
-    def backend_cls(self):
-        # Imported here: backend.py imports this module.
-        from ray_fsdp_backend.backend import FSDPBackend
-
-        return FSDPBackend
-
-    @property
     def sharding_strategy(self) -> ShardingStrategy:
         """``fsdp_sharding_strategy`` as an enum."""
         return ShardingStrategy(self.fsdp_sharding_strategy)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> FSDPConfig:
+    def from_dict(cls, values: Mapping[str, Any]) -> FSDPSettings:
         """Build from a mapping of field names; an unknown key is an error that
         suggests the closest valid one."""
         if not isinstance(values, Mapping):
@@ -164,7 +162,7 @@ class FSDPConfig(TorchConfig):
         return cls(**dict(values))
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> FSDPConfig:
+    def from_yaml(cls, path: str | os.PathLike) -> FSDPSettings:
         """Build from the ``distributed:`` section of a training YAML file."""
         import yaml
 
@@ -245,7 +243,7 @@ def _resolve_strategy(value: Any) -> ShardingStrategy:
     raise ValueError(f"fsdp_sharding_strategy={value!r} is not one of {allowed}")
 
 
-def _check_values(cfg: FSDPConfig) -> None:
+def _check_values(cfg: FSDPSettings) -> None:
     if cfg.backend is not None:
         _check_one_of("backend", cfg.backend, _BACKENDS)
     _check_one_of("init_method", cfg.init_method, _INIT_METHODS)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.topology import MeshLayout, Topology
 
@@ -21,7 +21,7 @@ class TrainContext:
     the cluster. Built by the backend on every worker before the training
     function starts."""
 
-    config: FSDPConfig
+    config: FSDPSettings
     strategy: DistributionStrategy
     mesh: DeviceMesh
     layout: MeshLayout

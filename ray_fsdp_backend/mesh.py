@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.topology import (
     MeshLayout,
     Topology,
@@ -28,7 +28,7 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
     return DeviceMesh(device_type, torch.tensor(layout.grid), mesh_dim_names=layout.axis_names)
 
 
-def resolve_layout(config: FSDPConfig, topology: Topology) -> MeshLayout:
+def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
     """The mesh layout for ``config`` on ``topology`` (pure; raises ValueError
     for an impossible layout)."""
     strategy = config.sharding_strategy if config.use_fsdp else None

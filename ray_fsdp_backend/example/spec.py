@@ -2,7 +2,7 @@
 
 A training config has these top-level sections::
 
-    distributed:   FSDPConfig fields (ray_fsdp_backend.config)
+    distributed:   FSDPConfig fields (ray_fsdp_backend.config.FSDPSettings)
     model:         ModelConfig fields (ray_fsdp_backend.example.model)
     train:         TrainOptions fields (steps, batch sizes, lr, optimizer, ...)
     data:          DataOptions fields (corpus path or a Ray Data text dataset)
@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend.backend import FSDPConfig
 from ray_fsdp_backend.example.model import ModelConfig
 
 OPTIMIZERS = ("adamw", "muon")

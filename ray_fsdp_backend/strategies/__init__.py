@@ -13,13 +13,13 @@ from ray_fsdp_backend.strategies.ddp import DDPStrategy
 from ray_fsdp_backend.strategies.fsdp import FSDPStrategy
 
 if TYPE_CHECKING:
-    from ray_fsdp_backend.config import FSDPConfig
+    from ray_fsdp_backend.config import FSDPSettings
 
 __all__ = ["DDPStrategy", "DistributionStrategy", "FSDPStrategy", "build_strategy"]
 
 
 def build_strategy(
-    config: FSDPConfig | Mapping[str, Any],
+    config: FSDPSettings | Mapping[str, Any],
     *,
     device: torch.device,
     local_rank: int,
@@ -37,13 +37,13 @@ def build_strategy(
 
     Raises:
         ValueError: an invalid config (a dict is validated like
-            ``FSDPConfig.from_dict``), or DMuon without FSDP.
+            ``FSDPSettings.from_dict``), or DMuon without FSDP.
     """
-    from ray_fsdp_backend.config import FSDPConfig
+    from ray_fsdp_backend.config import FSDPSettings
 
     del local_rank
-    if not isinstance(config, FSDPConfig):
-        config = FSDPConfig.from_dict(config)
+    if not isinstance(config, FSDPSettings):
+        config = FSDPSettings.from_dict(config)
     use_dmuon = use_dmuon or config.use_dmuon
     if use_dmuon and not config.use_fsdp:
         raise ValueError("use_dmuon=True needs use_fsdp=true: DMuon runs on FSDP2 shards")

@@ -15,7 +15,7 @@ from ray_fsdp_backend.clip import clip_grad_norm_
 if TYPE_CHECKING:
     # Imported for types only: config.py imports Ray, which DMuon and the
     # multi-process tests do not need.
-    from ray_fsdp_backend.config import FSDPConfig
+    from ray_fsdp_backend.config import FSDPSettings
 
 
 class DistributionStrategy(ABC):
@@ -26,7 +26,7 @@ class DistributionStrategy(ABC):
     clipping is the same global-norm clip for all of them.
     """
 
-    def __init__(self, config: FSDPConfig, *, device: torch.device, mesh: DeviceMesh | None):
+    def __init__(self, config: FSDPSettings, *, device: torch.device, mesh: DeviceMesh | None):
         self.config = config
         self.device = device
         self.mesh = mesh

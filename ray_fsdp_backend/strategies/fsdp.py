@@ -35,7 +35,7 @@ from ray_fsdp_backend.strategies.blocks import (
 )
 
 if TYPE_CHECKING:
-    from ray_fsdp_backend.config import FSDPConfig
+    from ray_fsdp_backend.config import FSDPSettings
 
 _logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class FSDPPolicy:
         return isinstance(self.offload_policy, CPUOffloadPolicy)
 
 
-def resolve_fsdp_policy(config: FSDPConfig, device: torch.device) -> FSDPPolicy:
+def resolve_fsdp_policy(config: FSDPSettings, device: torch.device) -> FSDPPolicy:
     """Mixed precision, offload and resharding for ``fully_shard``.
 
     ``use_mixed_precision=False`` gives a policy that keeps everything in the

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard
 
 from ray_fsdp_backend import dmuon
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
-from ray_fsdp_backend.config import FSDPConfig
+from ray_fsdp_backend import FSDPConfig
 from ray_fsdp_backend.dmuon import newton_schulz
 from ray_fsdp_backend.strategies import build_strategy
 from ray_fsdp_backend.strategies.dmuon import DMuonFSDPStrategy

@@ -144,7 +144,7 @@ class _Adapted(torch.nn.Module):
 
 
 def test_strategy_tells_the_adapter_dmuon_is_on_and_clips_everything_once():
-    from ray_fsdp_backend.config import FSDPConfig
+    from ray_fsdp_backend import FSDPConfig
     from ray_fsdp_backend.strategies.dmuon import DMuonFSDPStrategy
 
     config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=False)
