@@ -29,3 +29,47 @@ def ray_local():
         yield ray
     finally:
         ray.shutdown()
+
+
+class S3Server:
+    """A real S3 API (moto's standalone server) on a loopback port."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.endpoint = f"127.0.0.1:{port}"
+
+    def filesystem(self, **kwargs):
+        """A ``pyarrow.fs.S3FileSystem`` on this server, as a user passes it to
+        ``RunConfig(storage_filesystem=...)``; it pickles to Ray workers."""
+        import pyarrow.fs as pafs
+
+        return pafs.S3FileSystem(
+            endpoint_override=self.endpoint,
+            scheme="http",
+            access_key="testing",
+            secret_key="testing",
+            region="us-east-1",
+            allow_bucket_creation=True,
+            **kwargs,
+        )
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto in server mode on a free port for the test session (a real HTTP S3
+    API; clients are the real pyarrow/boto ones). No instance-metadata lookups,
+    for the driver and the Ray workers it starts."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield S3Server(port)
+    finally:
+        server.stop()
