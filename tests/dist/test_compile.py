@@ -1,8 +1,9 @@
 """``compile: true`` trains the same numbers as eager, on 2 gloo ranks (fp32).
 
 One spawned job: the example Transformer, FSDP2 full_shard with compiled
-blocks, then eager, each from the same initial weights on the same batches,
-against the same model trained eagerly in one process on the full batches.
+blocks, compiled and checkpointed blocks, then eager, each from the same
+initial weights on the same batches, against the same model trained eagerly
+in one process on the full batches.
 """
 
 from __future__ import annotations
@@ -44,18 +45,25 @@ def _reference() -> torch.Tensor:
 def _ranks(rank: int, world: int) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    out = {}
-    for compile_blocks in (True, False):
+    out, per = {}, BATCH // world
+
+    def rank_rows(rows: torch.Tensor) -> torch.Tensor:
+        return rows[rank * per : (rank + 1) * per]
+
+    variants = {
+        "compiled": dict(compile=True),
+        "compiled_checkpointed": dict(compile=True, use_gradient_checkpointing=True),
+        "eager": {},
+    }
+    for name, options in variants.items():
         torch.manual_seed(0)
         model = Transformer(CFG)
-        cfg = FSDPConfig(use_fsdp=True, use_mixed_precision=False, compile=compile_blocks)
+        cfg = FSDPConfig(use_fsdp=True, use_mixed_precision=False, **options)
         model = build_strategy(cfg, device=torch.device("cpu"), local_rank=rank).wrap(model)
-        per = BATCH // world
-        losses = _losses(model, lambda rows: rows[rank * per : (rank + 1) * per])
+        losses = _losses(model, rank_rows)
         dist.all_reduce(losses)
-        out["compiled" if compile_blocks else "eager"] = (losses / world).tolist()
-        if compile_blocks:
-            out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        out[name] = (losses / world).tolist()
+    out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return out
 
 
@@ -65,3 +73,4 @@ def test_compiled_blocks_train_like_eager_and_one_process():
     reference = _reference().tolist()
     torch.testing.assert_close(got["eager"], reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["compiled"], got["eager"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["compiled_checkpointed"], got["eager"], rtol=1e-5, atol=1e-6)
