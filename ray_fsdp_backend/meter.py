@@ -61,7 +61,7 @@ class StepMeter:
         self.tokens_seen = start_tokens
         self._window_tokens = 0
         self._start = self._last = time.perf_counter()
-        self._first_step = self._last_step = start_step
+        self._last_step = start_step
 
     def count_tokens(self, n: int) -> None:
         """Add ``n`` tokens this rank trained (call it per micro-batch)."""
@@ -95,8 +95,8 @@ class StepMeter:
             "elapsed_s": elapsed,
         }
         if self.total_steps is not None:
-            per_step = elapsed / max(1, step - self._first_step)
-            out["eta_s"] = per_step * max(0, self.total_steps - step)
+            # From the latest window: the first one may hold compilation.
+            out["eta_s"] = out["step_time_s"] * max(0, self.total_steps - step)
         self._window_tokens, self._last, self._last_step = 0, now, step
         return out
 
@@ -136,10 +136,20 @@ def estimate_flops_per_token(
     width = max((m.embedding_dim for m in embeddings), default=0)
     return flops_per_token(
         sum(p.numel() for p in params.values()) - embedding_only,
-        n_layers=len(find_blocks(model, block_classes)),
+        n_layers=count_blocks(model, block_classes),
         attn_width=width,
         seq_len=seq_len,
     )
+
+
+def count_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> int:
+    """Blocks as the wrap policy finds them, also after wrapping: ``fully_shard``
+    turns a block's class into a subclass named ``FSDP<name>``, so listed
+    class names are matched along the class hierarchy."""
+    if not block_classes:
+        return len(find_blocks(model))
+    wanted = set(block_classes)
+    return sum(any(c.__name__ in wanted for c in type(m).__mro__) for m in model.modules())
 
 
 class TensorBoardWriter:

@@ -59,6 +59,9 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
         assert m["memory_peak_allocated_gib"] > 0.05 and m["memory_peak_reserved_gib"] > 0.05
         # MFU = achieved FLOP/s per rank over the configured 0.5 TFLOP/s peak.
         assert 0 < m["mfu_pct"] == pytest.approx(m["tflops_per_rank"] / 0.5 * 100)
+        # FLOPs per token read off the sharded model: the hand count in test_metrics.py.
+        flops = 6_101_760 * m["tokens_per_s_per_rank"] / 1e12
+        assert m["tflops_per_rank"] == pytest.approx(flops)
         assert m["data_position"] == m["step"] * 2 * 8  # global samples read
     assert_tensorboard_has(tmp_path / "tb", history)
     png = (run_dir / "loss_curve.png").read_bytes()

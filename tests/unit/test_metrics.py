@@ -42,6 +42,20 @@ def test_flops_per_token_of_the_tiny_model_by_hand():
     assert estimate_flops_per_token(model, seq_len=128) == expected
 
 
+def test_blocks_are_counted_by_class_name_also_after_wrapping():
+    from ray_fsdp_backend.example.model import Block
+    from ray_fsdp_backend.meter import count_blocks
+
+    with torch.device("meta"):
+        model = Transformer(TINY)
+    assert count_blocks(model) == count_blocks(model, ("Block",)) == 4
+    # fully_shard swaps each block's class for a subclass named FSDPBlock.
+    wrapped = type("FSDPBlock", (Block,), {})
+    for block in model.layers:
+        block.__class__ = wrapped
+    assert count_blocks(model, ("Block",)) == 4
+
+
 def test_an_untied_input_embedding_is_not_a_matmul():
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, seq_len=32, tie_embeddings=False)
     with torch.device("meta"):
@@ -103,7 +117,8 @@ def test_step_meter_in_one_process():
         meter.count_tokens(32)
     m = meter.measure(5)
     assert m["tokens_seen"] == 64 + 96
-    assert m["tokens_per_s"] > 0 and m["mfu_pct"] > 0 and m["eta_s"] >= 0
+    assert m["tokens_per_s"] > 0 and m["mfu_pct"] > 0
+    assert m["eta_s"] == pytest.approx(m["step_time_s"] * 5)  # 5 steps left at this pace
     assert m["memory_peak_allocated_gib"] > 0.01  # this process's peak RSS
     meter.count_tokens(32)
     assert meter.measure(6)["tokens_seen"] == 64 + 128
@@ -147,3 +162,16 @@ def test_compile_without_blocks_names_the_fix():
     assert [n for n, _ in transformer.named_parameters()] == [
         n for n, _ in Transformer(TINY).named_parameters()
     ]  # names unchanged: checkpoints load either way
+
+
+def test_cli_verbose_flag_and_tensorboard_dir(tmp_path, monkeypatch):
+    from ray_fsdp_backend import cli
+
+    args = cli.build_parser().parse_args(["train", "examples/cpu_tiny.yaml", "-v"])
+    assert args.verbose
+    monkeypatch.chdir(tmp_path)
+    doc = cli.absolute_tensorboard_dir({"logging": {"tensorboard": "tb"}})
+    assert doc["logging"]["tensorboard"] == str(tmp_path / "tb")
+    uri = {"logging": {"tensorboard": "s3://bucket/tb"}}
+    assert cli.absolute_tensorboard_dir(uri) == uri
+    assert cli.absolute_tensorboard_dir({}) == {}
