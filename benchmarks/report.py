@@ -171,12 +171,33 @@ def _scaling(r: dict) -> list[str]:
     ]
 
 
+def _compile(r: dict) -> list[str]:
+    m = r["model"]
+    row = [
+        r["world_size"],
+        f"dim {m['dim']}, {m['n_layers']} layers, seq {m['seq_len']}",
+        f"{r['time']['a_ms']:.1f}",
+        f"{r['time']['b_ms']:.1f}",
+        _ratio(r["time"]),
+        f"{r['compile_s']:.1f}",
+        "yes" if r["same_loss"] else "NO",
+    ]
+    header = ["ranks", "model", "compiled ms", "eager ms", "ratio (min–max)", "compile s",
+              "same first loss"]  # fmt: skip
+    return [
+        "#### 7. `compile: true` (compiled blocks) vs eager: FSDP2 full_shard step time",
+        "",
+        *_table(header, [row]),
+    ]
+
+
 SECTIONS = {
     "step_time": lambda r: _step_time(r) + _memory(r),
     "clipping": _clipping,
     "startup": _startup,
     "dmuon": _dmuon,
     "scaling": _scaling,
+    "compile": _compile,
 }
 
 

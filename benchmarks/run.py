@@ -9,6 +9,7 @@ medians and the median ratio):
 4. start-up, ``FSDPConfig`` vs Ray's ``TorchConfig`` + hand-written FSDP2 (``startup``);
 5. the DMuon optimizer step vs ``torch.optim.Muon`` (``dmuon_bench``);
 6. step time and memory as width and depth double (``scaling``);
+7. step time with ``compile: true`` vs eager (``compile_bench``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
@@ -32,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import clipping, dmuon_bench, report, scaling, startup, step_time
+from benchmarks import clipping, compile_bench, dmuon_bench, report, scaling, startup, step_time
 from tests.dist.harness import run_ranks
 
-COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling")
+COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling", "compile")
 
 TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
 SMALL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, seq_len=64)
@@ -50,6 +51,7 @@ SETTINGS = {
         "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
         "dmuon": dict(sizes=(64, 128, 256), ranks=(1, 2), steps=5),
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
+        "compile": dict(world=2, model=SMALL, batch=4, accum=1, reps=7, steps=3),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
@@ -57,6 +59,7 @@ SETTINGS = {
         "startup": dict(model=TINY, batch=2, workers=2, reps=1, warmup=False),
         "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
+        "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
     },
 }
 
@@ -100,12 +103,17 @@ def run_scaling(world, **kwargs) -> dict:
     return run_ranks(_on_rank, world, scaling.on_rank, kwargs)
 
 
+def run_compile(world, **kwargs) -> dict:
+    return run_ranks(_on_rank, world, compile_bench.on_rank, kwargs)
+
+
 RUNNERS = {
     "step_time": run_step_time,
     "clipping": run_clipping,
     "startup": run_startup,
     "dmuon": run_dmuon,
     "scaling": run_scaling,
+    "compile": run_compile,
 }
 
 

@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train the example model described by CONFIG")
     train.add_argument("config", help="training YAML, e.g. examples/cpu_tiny.yaml")
+    train.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show Ray Train's per-report lines (logging.verbose=true)",
+    )
     _add_set(train)
     train.set_defaults(handler=cmd_train)
 
@@ -197,7 +203,8 @@ def format_ranks(ranks: Sequence[int]) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    spec = load(args.config, args.overrides)
+    overrides = [*args.overrides, *(["logging.verbose=true"] if args.verbose else [])]
+    spec = build_spec(absolute_tensorboard_dir(apply_overrides(load_yaml(args.config), overrides)))
     name = spec.run.name or f"{_stem(args.config)}-{time.strftime('%Y%m%d-%H%M%S')}"
     result = run_training(spec, name)
     history = result.return_value or []
@@ -213,7 +220,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{label + ':':<11} {path}")
     if result.checkpoint is not None:
         print(f"checkpoint: {result.checkpoint.path}")
+    if spec.logging.tensorboard:
+        print(f"tensorboard: tensorboard --logdir {spec.logging.tensorboard}")
     return 0
+
+
+def absolute_tensorboard_dir(doc: dict) -> dict:
+    """``logging.tensorboard`` relative to where the command runs, not to the
+    workers' working directory."""
+    section = doc.get("logging")
+    path = section.get("tensorboard") if isinstance(section, dict) else None
+    if isinstance(path, str) and "://" not in path:
+        section["tensorboard"] = os.path.abspath(os.path.expanduser(path))
+    return doc
 
 
 def run_training(spec: RunSpec, name: str):

@@ -128,6 +128,15 @@ class FSDPSettings:
     blocks). Empty: every child of every ``nn.ModuleList``. Ignored when the
     model provides ``convert_to_fsdp``."""
 
+    compile: bool = False
+    """``torch.compile`` each block (those the wrap policy finds) before
+    sharding, as torchtitan does; the rest of the model runs eagerly. Needs a
+    model with blocks, and a C++ compiler on CPU workers."""
+
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one worker's device, for MFU. None: looked up for
+    known accelerators by the compute dtype (no MFU on CPU or unknown ones)."""
+
     nccl_env: dict[str, str] = field(default_factory=dict)
     """Environment variables set on every worker before the process group is
     created, e.g. ``{"NCCL_SOCKET_IFNAME": "eth0"}``. Keys must start with
@@ -198,6 +207,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "bucket_cap_mb": (int, float),
     "use_dmuon": (bool,),
     "fsdp_block_classes": (tuple,),
+    "compile": (bool,),
+    "peak_tflops": (int, float, type(None)),
     "nccl_env": (dict,),
 }
 
@@ -264,6 +275,8 @@ def _check_values(cfg: FSDPSettings) -> None:
                 f"(got use_fsdp={cfg.use_fsdp}, "
                 f"fsdp_sharding_strategy={cfg.fsdp_sharding_strategy!r})"
             )
+    if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
+        raise ValueError(f"peak_tflops={cfg.peak_tflops!r} must be positive or null")
     if cfg.fsdp_cpu_offload and not cfg.use_fsdp:
         raise ValueError("fsdp_cpu_offload=True needs use_fsdp=true: DDP does not offload")
     if cfg.use_dmuon and not cfg.use_fsdp:

@@ -71,6 +71,38 @@ class TrainContext:
         for DDP (autocast), nothing for FSDP2 (its policy casts already)."""
         return self.strategy.autocast()
 
+    def step_meter(
+        self,
+        model: nn.Module,
+        *,
+        seq_len: int,
+        total_steps: int | None = None,
+        start_step: int = 0,
+        start_tokens: int = 0,
+        flops_per_token: float | None = None,
+    ):
+        """A :class:`~ray_fsdp_backend.meter.StepMeter` for this rank: tokens/s,
+        step time, TFLOP/s, MFU, peak memory and ETA at each ``measure(step)``.
+        FLOPs per token default to an estimate read off ``model`` (a decoder
+        transformer); the peak is ``config.peak_tflops`` or the known
+        accelerator's for the compute dtype (none on CPU: no MFU)."""
+        from ray_fsdp_backend.meter import StepMeter, estimate_flops_per_token
+        from ray_fsdp_backend.metrics import compute_dtype, resolve_peak_flops
+
+        cfg = self.config
+        if flops_per_token is None:
+            flops_per_token = estimate_flops_per_token(model, seq_len, cfg.fsdp_block_classes)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        dtype = compute_dtype(cfg.use_mixed_precision, cfg.bf16)
+        return StepMeter(
+            device=self.device,
+            flops_per_token=flops_per_token,
+            peak_flops=resolve_peak_flops(name, dtype, cfg.peak_tflops),
+            total_steps=total_steps,
+            start_step=start_step,
+            start_tokens=start_tokens,
+        )
+
     def save_checkpoint(
         self,
         model: nn.Module,

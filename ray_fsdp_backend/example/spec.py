@@ -8,6 +8,7 @@ A training config has these top-level sections::
     data:          DataOptions fields (corpus path or a Ray Data text dataset)
     scaling:       ScalingOptions fields (workers, GPUs, resources)
     run:           RunOptions fields (name, storage_path, max_failures)
+    logging:       LoggingOptions fields (tensorboard, verbose)
 
 :func:`check_spec` returns *every* problem as a list of messages (what
 ``ray-fsdp validate`` prints); :func:`build_spec` returns the typed
@@ -107,6 +108,19 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
+class LoggingOptions:
+    """The ``logging:`` section (optional)."""
+
+    tensorboard: str | None = None
+    """Directory for TensorBoard event files (every metric as a scalar, written
+    by rank 0); a relative path is taken from where ``ray-fsdp`` runs. None:
+    no TensorBoard."""
+    verbose: bool = False
+    """Show Ray Train's per-report "Reporting training result" lines
+    (``ray-fsdp train -v`` sets it)."""
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """A checked training config, one typed object per section."""
 
@@ -116,6 +130,7 @@ class RunSpec:
     data: DataOptions
     scaling: ScalingOptions
     run: RunOptions
+    logging: LoggingOptions
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
     """The document after overrides: what the workers receive."""
 
@@ -154,7 +169,7 @@ def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
 
 # -- checking --------------------------------------------------------------
 
-_SECTIONS = ("distributed", "model", "train", "data", "scaling", "run")  # = _BUILDERS
+_SECTIONS = ("distributed", "model", "train", "data", "scaling", "run", "logging")  # = _BUILDERS
 
 
 def check_spec(doc: Mapping[str, Any]) -> list[str]:
@@ -259,10 +274,11 @@ _CHOICES = {
     "source": DATA_SOURCES,
     "use_gpu": (True, False, "auto"),
     "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "verbose": (True, False),
 }
 _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
 _OPTIONAL_POSITIVE = {"adamw_lr"}
-_OPTIONAL_STRS = {"path", "name", "storage_path"}
+_OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard"}
 
 
 def _build_options(cls: type, values: Mapping[str, Any]) -> Any:
@@ -311,6 +327,7 @@ _BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
     "data": (DataOptions, _options_builder(DataOptions)),
     "scaling": (ScalingOptions, _options_builder(ScalingOptions)),
     "run": (RunOptions, _options_builder(RunOptions)),
+    "logging": (LoggingOptions, _options_builder(LoggingOptions)),
 }
 """Each section's dataclass and the function that builds it from a mapping."""
 

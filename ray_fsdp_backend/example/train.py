@@ -4,8 +4,10 @@ It reads top to bottom like nanoGPT's ``train.py``: build the model on the
 meta device, let the backend shard and initialise it, build the optimizer and
 data, restore a checkpoint if the run has one, then repeat micro-batches
 (all but the last under ``no_sync``), clip, step, and report. Rank 0 prints a
-progress line every ``train.log_every`` steps and returns the loss history,
-which the driver turns into ``metrics.jsonl`` and ``loss_curve.png``.
+progress line every ``train.log_every`` steps (throughput, MFU, memory and
+ETA from ``ctx.step_meter``; TensorBoard scalars with ``logging.tensorboard``)
+and returns the metric history, which the driver turns into
+``metrics.jsonl`` and ``loss_curve.png``.
 
 ``loop_config`` is the training YAML document after ``--set`` overrides (see
 :mod:`ray_fsdp_backend.example.spec`).
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from typing import Any
 
 import ray.train
@@ -29,6 +30,8 @@ import ray_fsdp_backend as rfb
 from ray_fsdp_backend.example.data import ShardedBatches, load_corpus, split_rows
 from ray_fsdp_backend.example.model import Transformer
 from ray_fsdp_backend.example.spec import RunSpec, TrainOptions, build_spec
+from ray_fsdp_backend.meter import TensorBoardWriter, show_ray_report_lines
+from ray_fsdp_backend.metrics import format_progress
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a
 # worker's print to write to stdout *and* its logger, so the driver shows
@@ -40,6 +43,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     """Train the example model; returns the logged history (rank 0's is used)."""
     spec = build_spec(loop_config)
     opts, ctx = spec.train, rfb.get_context()
+    show_ray_report_lines(spec.logging.verbose)
     torch.manual_seed(opts.seed)
 
     with torch.device("meta"):
@@ -53,9 +57,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
 
     history: list[dict[str, float]] = []
     tokens_per_step = opts.micro_batch_size * opts.grad_accum * spec.model.seq_len * ctx.dp_size
-    clock = Clock(start_step)
+    meter = ctx.step_meter(
+        model,
+        seq_len=spec.model.seq_len,
+        total_steps=opts.steps,
+        start_step=start_step,
+        start_tokens=start_step * tokens_per_step,
+    )
+    board = None
+    if spec.logging.tensorboard and ctx.world_rank == 0:
+        board = TensorBoardWriter(spec.logging.tensorboard)
     for step in range(start_step + 1, opts.steps + 1):
-        loss, grad_norm = train_step(ctx, model, optimizer, batches, spec)
+        loss, grad_norm = train_step(ctx, model, optimizer, batches, spec, meter)
         schedule.step()
         logged = step % opts.log_every == 0 or step in (start_step + 1, opts.steps)
         if not (logged or checkpoints.due(step)):
@@ -66,29 +79,37 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
             "loss": mean_across_ranks(loss.detach(), ctx.device),
             "grad_norm": float(grad_norm),
             "lr": schedule.get_last_lr()[0],
-            **clock.lap(step, opts.steps, tokens_per_step),
+            "data_position": batches.state_dict()["position"],
+            **meter.measure(step),
         }
         history.append(metrics)
         if ctx.world_rank == 0:
             _logger.info(format_progress(metrics, opts.steps))
+        if board is not None:
+            board.write(metrics, step)
         extra_state = {
             "step": step,
             "data": batches.state_dict(),
             "schedule": schedule.state_dict(),
         }
         checkpoints.report(step, model, optimizer, metrics, extra_state)
+    if board is not None:
+        board.close()
     return history
 
 
 def train_step(
-    ctx, model: nn.Module, optimizer, batches, spec: RunSpec
+    ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's
-    mean loss and the global pre-clip gradient norm."""
+    mean loss and the global pre-clip gradient norm. ``meter`` (a
+    ``StepMeter``) counts the tokens trained."""
     accum = spec.train.grad_accum
     total = torch.zeros((), device=ctx.device)
     for micro in range(accum):
         inputs, targets = (t.to(ctx.device, non_blocking=True) for t in batches.next_batch())
+        if meter is not None:
+            meter.count_tokens(inputs.numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.autocast():
@@ -214,34 +235,3 @@ class CheckpointHooks:
             self.ctx.save_checkpoint(model, optimizer, metrics, extra_state=extra_state)
         else:
             ray.train.report(metrics)
-
-
-class Clock:
-    """Throughput and ETA between logged steps."""
-
-    def __init__(self, start_step: int) -> None:
-        self.start = self.last = time.perf_counter()
-        self.last_step, self.first_step = start_step, start_step
-
-    def lap(self, step: int, total_steps: int, tokens_per_step: int) -> dict[str, float]:
-        now = time.perf_counter()
-        steps = max(1, step - self.last_step)
-        step_time = (now - self.last) / steps
-        self.last, self.last_step = now, step
-        elapsed = now - self.start
-        mean_step = elapsed / max(1, step - self.first_step)
-        return {
-            "tokens_per_s": tokens_per_step / step_time,
-            "step_time_s": step_time,
-            "elapsed_s": elapsed,
-            "eta_s": mean_step * (total_steps - step),
-        }
-
-
-def format_progress(m: dict[str, float], total_steps: int) -> str:
-    eta = time.strftime("%H:%M:%S", time.gmtime(m["eta_s"]))
-    return (
-        f"step {m['step']:>{len(str(total_steps))}}/{total_steps} | loss {m['loss']:.4f} | "
-        f"grad norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-        f"{m['tokens_per_s']:,.0f} tok/s | ETA {eta}"
-    )

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
     apply_activation_checkpointing,
+    apply_compile,
     find_blocks,
     has_meta_tensors,
     materialize_meta_module,
@@ -40,6 +41,8 @@ class DDPStrategy(DistributionStrategy):
         return False
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.config.compile:
+            apply_compile(model, find_blocks(model, self.config.fsdp_block_classes))
         if self.config.use_gradient_checkpointing:
             apply_activation_checkpointing(
                 model, find_blocks(model, self.config.fsdp_block_classes)

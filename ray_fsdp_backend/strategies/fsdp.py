@@ -29,6 +29,7 @@ from torch.distributed.fsdp import (
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
     apply_activation_checkpointing,
+    apply_compile,
     find_blocks,
     has_meta_tensors,
     materialize_meta_module,
@@ -138,6 +139,8 @@ class FSDPStrategy(DistributionStrategy):
         (the seed's adapter interface), else with the per-block policy; then
         materialise it if it was built on the meta device."""
         policy = resolve_fsdp_policy(self.config, self.device)
+        if self.config.compile:
+            apply_compile(model, find_blocks(model, self.config.fsdp_block_classes))
         convert = getattr(model, "convert_to_fsdp", None)
         if callable(convert):
             if self.config.use_gradient_checkpointing:

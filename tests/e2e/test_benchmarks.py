@@ -30,7 +30,7 @@ def test_every_comparison_is_reported(results):
     data, md = results
     assert set(run.COMPARISONS) <= set(data)
     for heading in ("1. Step time", "2. Memory", "3. Clipping", "4. Start-up", "5. DMuon",
-                    "6. Scaling"):  # fmt: skip
+                    "6. Scaling", "7. `compile: true`"):  # fmt: skip
         assert f"#### {heading}" in md
     assert data["machine"]["torch"] == torch.__version__
 
@@ -69,6 +69,11 @@ def test_startup_and_dmuon_and_scaling_measured(results):
     for series in data["scaling"]["series"].values():
         for row in series:
             assert row["memory_ratio"] == pytest.approx(row["params_ratio"], rel=0.05)
+
+
+def test_compiled_and_eager_blocks_do_the_same_work(results):
+    data, _ = results
+    assert data["compile"]["same_loss"] and data["compile"]["compile_s"] > 0
 
 
 def test_gpu_benchmark_runs_on_cpu_and_skips_without_gpu(tmp_path):

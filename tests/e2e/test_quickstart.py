@@ -2,7 +2,10 @@
 
 Runs the command as a user would (a fresh process, no ``RAY_ADDRESS``, so it
 starts its own local Ray cluster with two CPU workers under FSDP2), shortened
-with ``--set``, and checks that the loss goes down and the outputs exist.
+with ``--set``, and checks that the loss goes down and the outputs exist. The
+same run (one Ray start) checks what a user watches: the progress lines and
+no Ray report lines on the console, the reported step metrics (tokens counted,
+throughput, memory, MFU with a configured peak) and the TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -29,16 +32,18 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
             sys.executable, "-m", "ray_fsdp_backend.cli", "train", "examples/cpu_tiny.yaml",
             "--set", "train.steps=40", "--set", "train.log_every=10",
             "--set", f"run.storage_path={tmp_path}", "--set", "run.name=quick",
+            "--set", f"logging.tensorboard={tmp_path / 'tb'}",
+            "--set", "distributed.peak_tflops=0.5",
         ],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
 
-    # Progress lines: step, loss, tokens/s and ETA.
-    assert re.search(r"step 10/40 \| loss \d+\.\d+ .* tok/s \| ETA \d\d:\d\d:\d\d", log), log[
-        -3000:
-    ]
+    # Progress lines: step, loss, tokens/s, MFU, memory and ETA; no Ray report lines.
+    progress = r"step 10/40 \| loss \d+\.\d+ .* tok/s .* \| MFU \d+\.\d% .* GiB \| ETA \d\d:"
+    assert re.search(progress, log), log[-3000:]
+    assert "Reporting training result" not in log
     first, last = map(float, re.search(r"loss (\S+) \(step 1\) -> (\S+) \(step 40\)", log).groups())
     assert first > 5.0 and last < first - 1.5
 
@@ -46,6 +51,29 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
     assert f"results:    {run_dir}" in out.stdout
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in history] == [1, 10, 20, 30, 40]
-    assert all(m["tokens_per_s"] > 0 for m in history)
+    tokens_per_step = 2 * 8 * 128  # workers x micro_batch_size x seq_len (grad_accum 1)
+    for m in history:
+        assert m["tokens_seen"] == m["step"] * tokens_per_step
+        assert m["tokens_per_s"] > 0 and m["step_time_s"] > 0 and m["eta_s"] >= 0
+        assert m["tokens_per_s_per_rank"] == pytest.approx(m["tokens_per_s"] / 2)
+        assert m["memory_peak_allocated_gib"] > 0.05 and m["memory_peak_reserved_gib"] > 0.05
+        # MFU = achieved FLOP/s per rank over the configured 0.5 TFLOP/s peak.
+        assert 0 < m["mfu_pct"] == pytest.approx(m["tflops_per_rank"] / 0.5 * 100)
+        # FLOPs per token read off the sharded model: the hand count in test_metrics.py.
+        flops = 6_101_760 * m["tokens_per_s_per_rank"] / 1e12
+        assert m["tflops_per_rank"] == pytest.approx(flops)
+        assert m["data_position"] == m["step"] * 2 * 8  # global samples read
+    assert_tensorboard_has(tmp_path / "tb", history)
     png = (run_dir / "loss_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def assert_tensorboard_has(log_dir: Path, history: list[dict]) -> None:
+    """The event files hold the run's loss series (read by tensorboard's own reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(log_dir)).Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert loss == [(m["step"], pytest.approx(m["loss"])) for m in history]
+    assert {"tokens_per_s", "mfu_pct", "memory_peak_reserved_gib"} <= set(events.Tags()["scalars"])

@@ -1,0 +1,192 @@
+"""Measuring a training loop: :class:`StepMeter`, TensorBoard scalars, Ray's report lines.
+
+``StepMeter`` counts the tokens each rank trains, times the steps between
+logged ones and reads peak memory, and at a logged step reduces them over
+all ranks into the dict the loop reports (the arithmetic is in
+:mod:`ray_fsdp_backend.metrics`). ``ctx.step_meter(...)`` builds one with the
+model's FLOPs per token and the device's peak FLOP/s already resolved::
+
+    meter = ctx.step_meter(model, seq_len=1024, total_steps=1000)
+    for step in range(1, 1001):
+        ...
+        meter.count_tokens(inputs.numel())        # every micro-batch
+        if step % 10 == 0:
+            metrics = {"loss": ..., **meter.measure(step)}   # every rank
+            ray.train.report(metrics)
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ray_fsdp_backend.metrics import flops_per_token, throughput_metrics
+from ray_fsdp_backend.strategies.blocks import find_blocks
+
+_GIB = 1024**3
+
+
+class StepMeter:
+    """Throughput, MFU, memory and ETA of a training loop, one rank's view
+    reduced over all ranks at each :meth:`measure`.
+
+    Args:
+        device: the rank's device (CUDA memory stats on GPU, peak RSS on CPU).
+        flops_per_token: training FLOPs per token; None: no TFLOP/s or MFU.
+        peak_flops: one device's peak FLOP/s; None: no MFU.
+        total_steps: the run's last step, for the ETA.
+        start_step: the step the loop starts after (a resumed run's).
+        start_tokens: tokens trained before ``start_step``.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        total_steps: int | None = None,
+        start_step: int = 0,
+        start_tokens: int = 0,
+    ) -> None:
+        self.device, self.total_steps = device, total_steps
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.tokens_seen = start_tokens
+        self._window_tokens = 0
+        self._start = self._last = time.perf_counter()
+        self._last_step = start_step
+
+    def count_tokens(self, n: int) -> None:
+        """Add ``n`` tokens this rank trained (call it per micro-batch)."""
+        self._window_tokens += int(n)
+
+    def measure(self, step: int) -> dict[str, float]:
+        """Metrics over the steps since the previous call. A collective: every
+        rank calls it at the same steps; every rank gets the same dict."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        allocated, reserved = peak_memory_bytes(self.device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sums = _all_reduce([float(self._window_tokens)], dist.ReduceOp.SUM, self.device)
+        peaks = _all_reduce([now - self._last, allocated, reserved], dist.ReduceOp.MAX, self.device)
+        tokens, (seconds, allocated, reserved) = int(sums[0]), peaks
+        self.tokens_seen += tokens
+        out = throughput_metrics(
+            tokens=tokens,
+            seconds=seconds,
+            steps=step - self._last_step,
+            world_size=world,
+            flops_per_token=self.flops_per_token,
+            peak_flops=self.peak_flops,
+        )
+        elapsed = now - self._start
+        out |= {
+            "tokens_seen": self.tokens_seen,
+            "memory_peak_allocated_gib": allocated / _GIB,
+            "memory_peak_reserved_gib": reserved / _GIB,
+            "elapsed_s": elapsed,
+        }
+        if self.total_steps is not None:
+            # From the latest window: the first one may hold compilation.
+            out["eta_s"] = out["step_time_s"] * max(0, self.total_steps - step)
+        self._window_tokens, self._last, self._last_step = 0, now, step
+        return out
+
+
+def _all_reduce(values: list[float], op, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[float, float]:
+    """(allocated, reserved) peak bytes of this rank. CUDA: the caching
+    allocator's peaks since the previous call (they are reset). CPU: the
+    process's peak resident set size, for both."""
+    if device.type == "cuda":
+        out = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return float(out[0]), float(out[1])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return float(rss), float(rss)
+
+
+def estimate_flops_per_token(
+    model: nn.Module, seq_len: int, block_classes: tuple[str, ...] = ()
+) -> int:
+    """FLOPs per token of a decoder transformer, read off the module:
+    parameters (each counted once, sharded or not) minus input embeddings
+    not tied to a head, blocks found as the FSDP wrap policy finds them, and
+    the embedding width as attention width. For other shapes pass
+    ``flops_per_token`` yourself."""
+    params = {id(p): p for p in model.parameters()}
+    head_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embedding_only = sum(m.weight.numel() for m in embeddings if id(m.weight) not in head_params)
+    width = max((m.embedding_dim for m in embeddings), default=0)
+    return flops_per_token(
+        sum(p.numel() for p in params.values()) - embedding_only,
+        n_layers=count_blocks(model, block_classes),
+        attn_width=width,
+        seq_len=seq_len,
+    )
+
+
+def count_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> int:
+    """Blocks as the wrap policy finds them, also after wrapping: ``fully_shard``
+    turns a block's class into a subclass named ``FSDP<name>``, so listed
+    class names are matched along the class hierarchy."""
+    if not block_classes:
+        return len(find_blocks(model))
+    wanted = set(block_classes)
+    return sum(any(c.__name__ in wanted for c in type(m).__mro__) for m in model.modules())
+
+
+class TensorBoardWriter:
+    """Every numeric metric as a TensorBoard scalar under ``log_dir``
+    (``torch.utils.tensorboard``; needs the ``tensorboard`` package, the
+    ``[tensorboard]`` extra). Rank 0 writes; open it with
+    ``tensorboard --logdir <log_dir>``."""
+
+    def __init__(self, log_dir: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                "logging.tensorboard needs tensorboard: pip install 'ray_fsdp_backend[tensorboard]'"
+            ) from exc
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, metrics: Mapping[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def show_ray_report_lines(show: bool) -> None:
+    """Show (True) or hide Ray Train's INFO line "Reporting training result
+    N: TrainingReport(...)" that every ``ray.train.report`` prints on every
+    worker (Ray 2.60). Ray logs it through a logger named by the file path of
+    ``ray/train/v2/_internal/execution/context.py`` (not under ``ray.train``),
+    so ``RunConfig(logging_config=...)`` levels do not reach it; its own
+    level does. Call it on the worker."""
+    try:
+        from ray.train.v2._internal.execution import context as ray_context
+    except ImportError:  # another Ray version: nothing to quieten
+        return
+    logger = logging.getLogger(ray_context.__file__)
+    logger.setLevel(logging.NOTSET if show else logging.WARNING)
