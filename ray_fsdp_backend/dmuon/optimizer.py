@@ -223,7 +223,8 @@ class Muon(torch.optim.Optimizer):
     def _momentum_update(self, p: torch.Tensor, group: dict, out: torch.Tensor) -> None:
         """Write this rank's rows of the Nesterov (or plain) momentum update,
         cast to ``ns_dtype``, into ``out``; zeros for a parameter without
-        gradient, so that the exchanges have the same layout on every rank."""
+        gradient, so that the exchanges have the same layout on every rank.
+        Like ``torch.optim.Muon``, Nesterov leaves the update in the gradient."""
         if p.grad is None:
             out.zero_()
             return
@@ -232,7 +233,8 @@ class Muon(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         grad, buf = _local(p.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
-        out.copy_(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+        # In place, as torch.optim.Muon does: no fp32 temporary per matrix.
+        out.copy_(grad.lerp_(buf, group["momentum"]) if group["nesterov"] else buf)
 
     def _orthogonalize(self, stacks: dict, group: dict) -> dict:
         """Newton–Schulz on owned matrices, one batched call per shape."""
