@@ -129,6 +129,8 @@ def _dmuon(r: dict) -> list[str]:
                     f"{d['a_ms']:.1f}",
                     f"{d['b_ms']:.1f}",
                     _ratio(d),
+                    "/".join(f"{ms:.1f}" for ms in d["ns_ms_per_rank"]),
+                    "/".join(f"{x:.2f}" for x in d.get("cpu_ratio_per_rank", [])),
                     _mib(d["bytes_sent_per_rank"]),
                     _mib(d["fsdp_adamw_step_bytes_per_rank"]),
                     _mib(max(d["momentum_bytes_per_rank"])),
@@ -137,8 +139,9 @@ def _dmuon(r: dict) -> list[str]:
                 ]
             )
     header = ["d_model", "ranks", "DMuon step ms", "torch Muon ms", "ratio",
-              "DMuon MiB sent/rank", "FSDP2+AdamW step MiB sent/rank", "momentum MiB/rank",
-              "momentum MiB, 1 process", "NS matrices per rank"]  # fmt: skip
+              "NS ms per rank", "CPU-time ratio per rank", "DMuon MiB sent/rank",
+              "FSDP2+AdamW step MiB sent/rank", "momentum MiB/rank", "momentum MiB, 1 process",
+              "NS matrices per rank"]  # fmt: skip
     return [
         "#### 5. DMuon optimizer step vs single-process `torch.optim.Muon` (bf16 NS)",
         "",

@@ -49,7 +49,7 @@ SETTINGS = {
         "step_time": dict(worlds=(2, 4), model=SMALL, batch=4, accum=2, reps=11, steps=3),
         "clipping": dict(worlds=(2, 4), counts=clipping.TENSOR_COUNTS, reps=7, steps=3),
         "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
-        "dmuon": dict(sizes=(64, 128, 256), ranks=(1, 2), steps=5),
+        "dmuon": dict(sizes=(64, 128, 256, 512), ranks=(1, 2, 4), steps=3),
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
         "compile": dict(world=2, model=SMALL, batch=4, accum=1, reps=7, steps=3),
     },

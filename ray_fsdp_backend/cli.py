@@ -157,7 +157,22 @@ def format_plan(spec: RunSpec, nodes: int, gpus_per_node: int) -> str:
             lines.append(f"{axis} groups ({len(groups)}; {what}):")
             lines += [f"  {format_ranks(g)}" for g in groups]
     lines += format_memory(spec, strategy, layout.axis_size(SHARD_AXIS))
+    if cfg.use_dmuon:
+        lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS))
     return "\n".join(lines)
+
+
+def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
+    """DMuon's Newton–Schulz schedule for the example model (built on meta)."""
+    import torch
+
+    from ray_fsdp_backend.dmuon.plan import format_ns_schedule
+    from ray_fsdp_backend.dmuon.selection import dedicated_specs
+    from ray_fsdp_backend.example.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(spec.model)
+    return format_ns_schedule(dedicated_specs(model), shard_size)
 
 
 def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:

@@ -4,7 +4,10 @@ Where a matrix's rows live and who owns it is decided by the pure
 :mod:`~ray_fsdp_backend.dmuon.plan`; this module only packs tensors in the
 plan's order and calls ``all_to_all_single`` on the shard group, one pair
 per bucket of matrices, asynchronously so that the next bucket travels while
-the owners orthogonalise this one. Uneven splits are fine for
+the owners orthogonalise this one. Each side packs and unpacks with one copy:
+the momentum update is written into the send buffer, an owner copies each
+sender's block of a shape batch straight into the batch's stack (no copy at
+all in a group of one), and results go back the same way. Uneven splits are fine for
 ``all_to_all_single`` on gloo and NCCL alike (unlike gloo's ``gather``), so
 nothing is padded, and a rank that holds no rows of a matrix (more ranks
 than rows) simply sends nothing for it. The layout never depends on
@@ -21,12 +24,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ray_fsdp_backend.dmuon.plan import (
-    OwnershipPlan,
-    RankLayout,
-    compute_buckets,
-    compute_rank_layout,
-)
+from ray_fsdp_backend.dmuon.plan import OwnershipPlan, RankLayout, compute_rank_layout
+
+Stacks = dict[tuple[int, int], torch.Tensor]
+"""Owned matrices of one bucket by shape: ``(count, rows, cols)`` each."""
 
 
 @dataclass(frozen=True)
@@ -92,35 +93,26 @@ class PendingExchange:
     """An all-to-all in flight: wait on ``work``, then read ``out``."""
 
     work: dist.Work | None
-    out: torch.Tensor
+    out: torch.Tensor | None
     layout: RankLayout
-    send: torch.Tensor  # kept alive until the exchange is done
+    send: torch.Tensor | Stacks  # kept alive until the exchange is done
 
 
 class ShardExchange:
-    """Moves per-matrix row shards to their owners and back, bucket by bucket,
-    as the plan says. ``start_*`` issues an asynchronous all-to-all and
+    """Moves per-matrix row shards to their owners and back, bucket by bucket
+    (``plan.schedule``). ``start_*`` issues an asynchronous all-to-all and
     returns at once; ``finish_*`` waits for it and unpacks, so a caller can
     orthogonalise one bucket while the next one travels. Every rank must
     start the same buckets in the same order."""
 
     def __init__(
-        self,
-        plan: OwnershipPlan,
-        shard: ShardGroup,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        bucket_numel: int | None = None,
+        self, plan: OwnershipPlan, shard: ShardGroup, *, dtype: torch.dtype, device: torch.device
     ):
         self.plan = plan
         self.shard = shard
         self.dtype = dtype
         self.device = device
-        self.layouts = tuple(
-            compute_rank_layout(plan, shard.rank, bucket)
-            for bucket in compute_buckets(plan, bucket_numel)
-        )
+        self.layouts = tuple(compute_rank_layout(plan, shard.rank, b) for b in plan.schedule)
         self.bytes_sent = 0
         """Bytes sent to other ranks since the last ``reset_counters``."""
         self.bytes_received = 0
@@ -160,46 +152,87 @@ class ShardExchange:
                 "names or shapes differ between ranks"
             )
 
-    def start_to_owners(self, bucket: int, shards: list[torch.Tensor]) -> PendingExchange:
-        """Send this rank's rows (``shards``: one per matrix, in plan order)
-        of ``bucket``'s matrices to their owners."""
+    def send_buffer(self, bucket: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """An empty buffer for this rank's rows of ``bucket``'s matrices and,
+        by plan index, the ``(rows, cols)`` view of it each matrix's rows go
+        in: fill the views, then ``start_to_owners(bucket, buffer)``."""
         lay = self.layouts[bucket]
-        outgoing = [shards[i].reshape(-1) for i in lay.send_order]
-        return self._start(outgoing, lay.recv_splits, lay.send_splits, lay)
+        buf = torch.empty(sum(lay.send_splits), dtype=self.dtype, device=self.device)
+        sizes = [size for sizes in lay.send_sizes for size in sizes]
+        views = {
+            i: piece.view(-1, self.plan.matrices[i].shape[1])
+            for i, piece in zip(lay.send_order, buf.split(sizes), strict=True)
+        }
+        return buf, views
 
-    def finish_to_owners(self, pending: PendingExchange) -> dict[int, torch.Tensor]:
-        """The full matrices this rank owns in the bucket, keyed by plan index."""
+    def start_to_owners(self, bucket: int, buffer: torch.Tensor) -> PendingExchange:
+        """Send the filled ``send_buffer`` of ``bucket`` to the owners."""
+        lay = self.layouts[bucket]
+        return self._start(buffer, lay.recv_splits, lay.send_splits, lay)
+
+    def finish_to_owners(self, pending: PendingExchange) -> Stacks:
+        """The full matrices this rank owns in the bucket, stacked by shape
+        (``layout.ns_batches`` order); a sender's block that already is the
+        whole stack (a group of one) is used as it is."""
         lay = self._wait(pending)
-        pieces: dict[int, list[torch.Tensor]] = {i: [] for i in lay.owned}
+        stacks: Stacks = {}
         for src, chunk in enumerate(pending.out.split(lay.recv_splits)):
-            for i, piece in zip(lay.owned, chunk.split(lay.recv_sizes[src]), strict=True):
-                pieces[i].append(piece.view(-1, self.plan.matrices[i].shape[1]))
-        return {i: torch.cat(rows) for i, rows in pieces.items()}
+            sizes = self._batch_sizes(lay, src)
+            for (shape, ids), (start, stop), block in zip(
+                lay.ns_batches.items(), lay.batch_rows[src], chunk.split(sizes), strict=True
+            ):
+                block = block.view(len(ids), stop - start, shape[1])
+                if stop - start == shape[0]:
+                    stacks[shape] = block
+                elif stop > start:
+                    if shape not in stacks:
+                        stacks[shape] = block.new_empty(len(ids), *shape)
+                    stacks[shape][:, start:stop].copy_(block)
+        return stacks
 
-    def start_to_shards(self, bucket: int, full: dict[int, torch.Tensor]) -> PendingExchange:
-        """Send each rank its rows of the owned results ``full`` of ``bucket``."""
+    def start_to_shards(self, bucket: int, results: Stacks) -> PendingExchange:
+        """Send each rank its rows of the orthogonalised stacks of ``bucket``."""
         lay = self.layouts[bucket]
-        outgoing = [
-            full[i][slice(*lay.row_ranges[i][dst])].reshape(-1)
-            for dst in range(self.plan.num_ranks)
-            for i in lay.owned
-        ]
-        return self._start(outgoing, lay.send_splits, lay.recv_splits, lay)
+        if self.shard.size == 1:
+            return PendingExchange(work=None, out=None, layout=lay, send=results)
+        buf = torch.empty(sum(lay.recv_splits), dtype=self.dtype, device=self.device)
+        sizes = [size for dst in range(self.shard.size) for size in self._batch_sizes(lay, dst)]
+        blocks = iter(buf.split(sizes))
+        for rows in lay.batch_rows:
+            for (shape, ids), (start, stop) in zip(lay.ns_batches.items(), rows, strict=True):
+                block = next(blocks).view(len(ids), stop - start, shape[1])
+                block.copy_(results[shape][:, start:stop])
+        return self._start(buf, lay.send_splits, lay.recv_splits, lay)
 
     def finish_to_shards(self, pending: PendingExchange) -> dict[int, torch.Tensor]:
-        """This rank's rows (flat) of every matrix of the bucket, by plan index."""
+        """This rank's rows ``(rows, cols)`` of every matrix of the bucket, by
+        plan index."""
         lay = self._wait(pending)
+        if pending.out is None:  # a group of one: the results themselves
+            return {
+                i: stack[k]
+                for shape, stack in pending.send.items()
+                for k, i in enumerate(lay.ns_batches[shape])
+            }
         shards: dict[int, torch.Tensor] = {}
         for owner, chunk in enumerate(pending.out.split(lay.send_splits)):
             ids = lay.owners_of[owner]
-            shards.update(zip(ids, chunk.split(lay.send_sizes[owner]), strict=True))
+            for i, piece in zip(ids, chunk.split(lay.send_sizes[owner]), strict=True):
+                shards[i] = piece.view(-1, self.plan.matrices[i].shape[1])
         return shards
 
+    @staticmethod
+    def _batch_sizes(lay: RankLayout, src: int) -> list[int]:
+        rows = lay.batch_rows[src]
+        return [
+            len(ids) * (stop - start) * shape[1]
+            for (shape, ids), (start, stop) in zip(lay.ns_batches.items(), rows, strict=True)
+        ]
+
     def _start(
-        self, parts: list[torch.Tensor], recv: tuple[int, ...], send: tuple[int, ...], lay
+        self, buf: torch.Tensor, recv: tuple[int, ...], send: tuple[int, ...], lay: RankLayout
     ) -> PendingExchange:
         # A rank that owns nothing still takes part (it sends and receives rows).
-        buf = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)
         me, itemsize = self.shard.rank, buf.element_size()
         self.bytes_sent += (sum(send) - send[me]) * itemsize
         self.bytes_received += (sum(recv) - recv[me]) * itemsize

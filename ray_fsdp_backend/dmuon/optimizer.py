@@ -38,6 +38,7 @@ from torch.optim.optimizer import _to_scalar
 from ray_fsdp_backend.dmuon import newton_schulz
 from ray_fsdp_backend.dmuon.exchange import ShardExchange, ShardGroup, resolve_shard_group
 from ray_fsdp_backend.dmuon.plan import (
+    DEFAULT_BUCKET_NUMEL,
     MatrixSpec,
     OwnershipPlan,
     compute_ownership_plan,
@@ -48,9 +49,6 @@ from ray_fsdp_backend.dmuon.selection import select_parameters
 MUON_GROUP = "muon"
 ADAMW_GROUP = "adamw"
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-# Matrix elements per exchange bucket: 64 MiB of bfloat16 travels while the
-# previous bucket is orthogonalised.
-DEFAULT_BUCKET_NUMEL = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -89,9 +87,11 @@ class Muon(torch.optim.Optimizer):
         is_dedicated: ``(name, param) -> bool`` choosing the Muon matrices;
             default: 2-D weights inside the sharded blocks (see
             :func:`~ray_fsdp_backend.dmuon.selection.select_parameters`).
-        bucket_numel: matrix elements per exchange bucket (consecutive
-            matrices in model order; None: one bucket). Bounds the exchange
-            buffers and lets the next bucket travel during Newton–Schulz.
+        bucket_numel: matrix elements each owner assembles per exchange
+            bucket, on average (a bucket holds at most ``bucket_numel`` times
+            the shard-group size elements of matrices of similar cost; None:
+            one bucket). Bounds the exchange buffers and lets the next bucket
+            travel during Newton–Schulz.
 
     Raises:
         ValueError: a bad hyperparameter, a dedicated parameter that is not
@@ -125,11 +125,12 @@ class Muon(torch.optim.Optimizer):
         self.param_names = tuple(name for name, _ in dedicated)
         self.shard_group: ShardGroup = resolve_shard_group(dedicated)
         specs = [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated]
-        self.plan: OwnershipPlan = compute_ownership_plan(specs, self.shard_group.size)
-        device = _local(dedicated[0][1]).device if dedicated else torch.device("cpu")
-        self._exchange = ShardExchange(
-            self.plan, self.shard_group, dtype=ns_dtype, device=device, bucket_numel=bucket_numel
+        self.plan: OwnershipPlan = compute_ownership_plan(
+            specs, self.shard_group.size, bucket_numel
         )
+        # Newton–Schulz and both exchanges run where the parameters live.
+        device = _local(dedicated[0][1]).device if dedicated else torch.device("cpu")
+        self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
         self._exchange.verify_consistent(_shard_rows_error(dedicated, self.plan, self.shard_group))
         muon_hyper = dict(
             lr=lr,
@@ -170,16 +171,15 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         params = group["params"]
-        shards = [self._momentum_update(p, group) for p in params]
-        updates, owned, ns_calls = self._orthogonalized_shards(shards, group)
+        updates, owned, ns_calls = self._orthogonalized_shards(params, group)
         lr = _to_scalar(group["lr"])
-        for p, spec, update in zip(params, self.plan.matrices, updates, strict=True):
+        for i, (p, spec) in enumerate(zip(params, self.plan.matrices, strict=True)):
             if p.grad is None:
                 continue
             local = _local(p)
             local.mul_(1 - lr * group["weight_decay"])
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], spec.shape)
-            local.add_(update.view_as(local), alpha=-adjusted_lr)
+            local.add_(updates[i], alpha=-adjusted_lr)
         self.last_step_stats = DMuonStepStats(
             orthogonalized=tuple(self.plan.matrices[i].name for i in owned),
             ns_calls=ns_calls,
@@ -188,61 +188,66 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _orthogonalized_shards(
-        self, shards: list[torch.Tensor], group: dict
-    ) -> tuple[list[torch.Tensor], list[int], int]:
-        """This rank's rows of every orthogonalised update (plan order), the
-        matrices it owned, and its batched Newton–Schulz calls.
+        self, params: list[torch.Tensor], group: dict
+    ) -> tuple[dict[int, torch.Tensor], list[int], int]:
+        """This rank's rows of every orthogonalised update (by plan index),
+        the matrices it owned, and its batched Newton–Schulz calls.
 
         Bucket ``b + 1`` travels to its owners while they orthogonalise bucket
         ``b``; results go back as soon as a bucket is done.
         """
         ex = self._exchange
         ex.reset_counters()
-        incoming = ex.start_to_owners(0, shards)
+        incoming = self._start_bucket(0, params, group)
         outgoing, owned, ns_calls = [], [], 0
         for b, layout in enumerate(ex.layouts):
             full = ex.finish_to_owners(incoming)
             if b + 1 < len(ex.layouts):
-                incoming = ex.start_to_owners(b + 1, shards)
-            orthogonal = self._orthogonalize(full, layout.ns_batches, group)
-            outgoing.append(ex.start_to_shards(b, orthogonal))
+                incoming = self._start_bucket(b + 1, params, group)
+            outgoing.append(ex.start_to_shards(b, self._orthogonalize(full, group)))
             owned += layout.owned
             ns_calls += len(layout.ns_batches)
         updates: dict[int, torch.Tensor] = {}
         for pending in outgoing:
             updates.update(ex.finish_to_shards(pending))
-        return [updates[i] for i in range(len(shards))], sorted(owned), ns_calls
+        return updates, sorted(owned), ns_calls
 
-    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """This rank's rows of the Nesterov (or plain) momentum update, in
-        ``ns_dtype``; zeros for a parameter without gradient, so that the
-        exchanges have the same layout on every rank."""
-        local_param = _local(p)
+    def _start_bucket(self, bucket: int, params: list[torch.Tensor], group: dict):
+        """Momentum-update this rank's rows of ``bucket``'s matrices straight
+        into the exchange buffer and send it to the owners."""
+        buffer, views = self._exchange.send_buffer(bucket)
+        for i, view in views.items():
+            self._momentum_update(params[i], group, view)
+        return self._exchange.start_to_owners(bucket, buffer)
+
+    def _momentum_update(self, p: torch.Tensor, group: dict, out: torch.Tensor) -> None:
+        """Write this rank's rows of the Nesterov (or plain) momentum update,
+        cast to ``ns_dtype``, into ``out``; zeros for a parameter without
+        gradient, so that the exchanges have the same layout on every rank.
+        Like ``torch.optim.Muon``, Nesterov leaves the update in the gradient."""
         if p.grad is None:
-            return torch.zeros_like(local_param, dtype=self.ns_dtype)
+            out.zero_()
+            return
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         grad, buf = _local(p.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
-        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        return update.to(self.ns_dtype)
+        # In place, as torch.optim.Muon does: no fp32 temporary per matrix.
+        out.copy_(grad.lerp_(buf, group["momentum"]) if group["nesterov"] else buf)
 
-    def _orthogonalize(
-        self, full: dict[int, torch.Tensor], batches: dict, group: dict
-    ) -> dict[int, torch.Tensor]:
+    def _orthogonalize(self, stacks: dict, group: dict) -> dict:
         """Newton–Schulz on owned matrices, one batched call per shape."""
-        out: dict[int, torch.Tensor] = {}
-        for ids in batches.values():
-            stacked = newton_schulz.zeropower_via_newtonschulz(
-                torch.stack([full[i] for i in ids]),
+        return {
+            shape: newton_schulz.zeropower_via_newtonschulz(
+                stack,
                 group["ns_coefficients"],
                 group["ns_steps"],
                 group["eps"],
                 self.ns_dtype,
             )
-            out.update(zip(ids, stacked.unbind(0), strict=True))
-        return out
+            for shape, stack in stacks.items()
+        }
 
     def _init_state(self) -> None:
         """Create every parameter's state now rather than at its first

@@ -11,6 +11,14 @@ checkpoint taken at one world size is re-planned at another.
 Row shards follow FSDP2's ``torch.chunk`` semantics: rank ``r`` of ``n`` holds
 rows ``[r * c, min(rows, (r + 1) * c))`` with ``c = ceil(rows / n)``, so when a
 matrix has fewer rows than there are ranks the last ranks hold none.
+
+Scheduling: the exchanges and Newton–Schulz run bucket by bucket, and a rank
+cannot run ahead of a bucket whose results others still wait for, so the
+Newton–Schulz critical path of a step is the sum over buckets of the busiest
+rank's cost (:attr:`OwnershipPlan.critical_path`), not the busiest rank's
+total. Owners are therefore balanced by cost over all matrices, and then
+every rank's work is cut into the same number of buckets of about equal
+cost (:func:`schedule_buckets`), rather than cutting the model in order.
 """
 
 from __future__ import annotations
@@ -18,8 +26,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+
+DEFAULT_BUCKET_NUMEL = 1 << 25
+"""Matrix elements each owner assembles per bucket (on average): 64 MiB of
+bfloat16 travels while the previous bucket is orthogonalised."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,9 @@ class OwnershipPlan:
     matrices: tuple[MatrixSpec, ...]
     owners: tuple[int, ...]
     num_ranks: int
+    buckets: tuple[tuple[int, ...], ...] = ()
+    """Indices of the matrices of each exchange bucket, in the order they run
+    (each bucket in plan order); empty: one bucket of all matrices."""
 
     def owned_by(self, rank: int) -> tuple[int, ...]:
         """Indices (into ``matrices``) of the matrices ``rank`` owns, in order."""
@@ -80,6 +95,39 @@ class OwnershipPlan:
             load[owner] += ns_cost(spec.shape)
         return tuple(load)
 
+    @cached_property
+    def schedule(self) -> tuple[tuple[int, ...], ...]:
+        """The buckets in the order they run (``buckets``, or one of all)."""
+        return self.buckets or (tuple(range(len(self.matrices))),)
+
+    @cached_property
+    def critical_path(self) -> int:
+        """Newton–Schulz cost on the step's critical path: the sum over
+        buckets of the busiest rank's cost in that bucket."""
+        total = 0
+        for bucket in self.schedule:
+            load = [0] * self.num_ranks
+            for i in bucket:
+                load[self.owners[i]] += ns_cost(self.matrices[i].shape)
+            total += max(load)
+        return total
+
+    @property
+    def ideal(self) -> float:
+        """Total Newton–Schulz cost spread evenly over the ranks."""
+        return sum(self.loads) / self.num_ranks
+
+    @property
+    def whole_matrix_bound(self) -> float:
+        """A lower bound on the critical path of any plan that gives each
+        matrix to one rank: the ideal, the largest matrix, and, with more
+        matrices than ranks, the ``N``-th plus ``N + 1``-th largest (two of
+        them share a rank)."""
+        costs = sorted((ns_cost(s.shape) for s in self.matrices), reverse=True)
+        n = self.num_ranks
+        pair = costs[n - 1] + costs[n] if len(costs) > n else 0
+        return max(self.ideal, costs[0] if costs else 0, pair)
+
     def local_numel(self, index: int, rank: int) -> int:
         """Elements of matrix ``index`` held by ``rank``."""
         rows, cols = self.matrices[index].shape
@@ -89,23 +137,29 @@ class OwnershipPlan:
     def fingerprint(self) -> int:
         """A hash of the whole plan in ``[0, 2**62)`` (it and its negation fit
         an int64 tensor), for checking that every rank computed the same one."""
-        text = repr((self.num_ranks, self.matrices, self.owners)).encode()
+        text = repr((self.num_ranks, self.matrices, self.owners, self.buckets)).encode()
         return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
 
 
-def compute_ownership_plan(matrices: Sequence[MatrixSpec], num_ranks: int) -> OwnershipPlan:
+def compute_ownership_plan(
+    matrices: Sequence[MatrixSpec], num_ranks: int, bucket_numel: int | None = None
+) -> OwnershipPlan:
     """Assign each matrix to one of ``num_ranks`` owners, balancing the
-    Newton–Schulz cost: largest cost first, each onto the least loaded rank
-    (ties: the lower rank; equal costs are taken in name order), so the result
-    depends only on names, shapes and ``num_ranks``.
+    Newton–Schulz cost (``ns_cost``: FLOPs, not counts): largest cost first,
+    each onto the least loaded rank (ties: the lower rank; equal costs are
+    taken in name order), then cut every rank's work into the same number of
+    buckets (see :func:`schedule_buckets`). The result depends only on names,
+    shapes, ``num_ranks`` and ``bucket_numel``.
 
     Raises:
-        ValueError: ``num_ranks`` < 1, a shape that is not 2-D with positive
-            sides, or a repeated name.
+        ValueError: ``num_ranks`` < 1, ``bucket_numel`` < 1, a shape that is
+            not 2-D with positive sides, or a repeated name.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks={num_ranks} must be at least 1")
     _check_specs(matrices)
+    if bucket_numel is not None and bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel} must be at least 1 (or None)")
     order = sorted(
         range(len(matrices)), key=lambda i: (-ns_cost(matrices[i].shape), matrices[i].name)
     )
@@ -115,7 +169,46 @@ def compute_ownership_plan(matrices: Sequence[MatrixSpec], num_ranks: int) -> Ow
         load, rank = heapq.heappop(heap)
         owners[i] = rank
         heapq.heappush(heap, (load + ns_cost(matrices[i].shape), rank))
-    return OwnershipPlan(matrices=tuple(matrices), owners=tuple(owners), num_ranks=num_ranks)
+    plan = OwnershipPlan(matrices=tuple(matrices), owners=tuple(owners), num_ranks=num_ranks)
+    buckets = schedule_buckets(plan, bucket_numel)
+    return replace(plan, buckets=buckets) if len(buckets) > 1 else plan
+
+
+def schedule_buckets(plan: OwnershipPlan, bucket_numel: int | None) -> tuple[tuple[int, ...], ...]:
+    """Cut every rank's owned matrices into the same ``B`` buckets, each
+    rank's share of a bucket costing about ``1 / B`` of its load, so that
+    every bucket keeps every rank busy and the critical path (the sum over
+    buckets of the busiest rank) stays near the busiest rank's total.
+
+    ``B`` is the fewest buckets in which no owner assembles more than
+    ``max(bucket_numel, largest matrix)`` elements on average; one bucket
+    when ``bucket_numel`` is None. Each rank takes its matrices largest cost
+    first and puts each into the bucket where the midpoint of its cost falls
+    on the rank's cumulative load. Buckets are in plan order; empty ones are
+    dropped.
+    """
+    numel = [spec.shape[0] * spec.shape[1] for spec in plan.matrices]
+    if bucket_numel is None or not numel:
+        return (tuple(range(len(numel))),)
+    per_owner = max(bucket_numel, max(numel))
+    count = max(-(-sum(numel[i] for i in plan.owned_by(r)) // per_owner)
+                for r in range(plan.num_ranks))  # fmt: skip
+    bucket_of = [0] * len(numel)
+    for rank in range(plan.num_ranks):
+        ids = sorted(plan.owned_by(rank), key=lambda i: (-_cost(plan, i), plan.matrices[i].name))
+        done = 0
+        for i in ids:
+            mid = done + _cost(plan, i) / 2
+            bucket_of[i] = min(count - 1, int(count * mid / plan.loads[rank]))
+            done += _cost(plan, i)
+    buckets = [[] for _ in range(count)]
+    for i, b in enumerate(bucket_of):
+        buckets[b].append(i)
+    return tuple(tuple(b) for b in buckets if b)
+
+
+def _cost(plan: OwnershipPlan, index: int) -> int:
+    return ns_cost(plan.matrices[index].shape)
 
 
 def _check_specs(matrices: Sequence[MatrixSpec]) -> None:
@@ -132,10 +225,11 @@ def _check_specs(matrices: Sequence[MatrixSpec]) -> None:
 
 
 def compute_buckets(plan: OwnershipPlan, max_numel: int | None) -> tuple[tuple[int, ...], ...]:
-    """The matrices in plan order, cut into consecutive buckets of at most
-    ``max_numel`` elements (a larger matrix is a bucket of its own); one
-    bucket when ``max_numel`` is None. Each bucket is one pair of exchanges,
-    so the next bucket travels while the owners orthogonalise this one.
+    """The matrices in plan (model) order, cut into consecutive buckets of at
+    most ``max_numel`` elements (a larger matrix is a bucket of its own); one
+    bucket when ``max_numel`` is None. The optimizer runs ``plan.schedule``
+    (:func:`schedule_buckets`) instead: model-order buckets leave most ranks
+    idle in each bucket (``ray-fsdp plan`` prints both critical paths).
 
     Raises:
         ValueError: ``max_numel`` < 1.
@@ -160,13 +254,14 @@ class RankLayout:
     computed once so that a step does no per-matrix arithmetic over all ranks.
 
     Shards to owners: this rank sends ``send_order`` (its rows of the
-    bucket's matrices, grouped by owner) in ``send_splits``; as an owner it
-    receives ``recv_splits``, and from rank ``src`` the rows of its owned
-    matrices in sizes ``recv_sizes[src]``. The way back is the same with the
-    roles swapped: it sends ``recv_splits``, cutting each owned matrix ``i``
-    at ``row_ranges[i]``, and receives ``send_splits``, unpacked by owner
-    (``owners_of[owner]``) in sizes ``send_sizes[owner]``. ``ns_batches``
-    groups the owned matrices by shape: one batched Newton–Schulz call each.
+    bucket's matrices, grouped by owner, each owner's grouped by shape) in
+    ``send_splits``, matrix by matrix in ``send_sizes[owner]``; as an owner
+    it receives ``recv_splits``, from rank ``src`` the rows
+    ``batch_rows[src][b]`` of every matrix of its ``b``-th ``ns_batches``
+    entry, which it copies straight into that batch's stack. The way back is
+    the same with the roles swapped. ``ns_batches`` groups the owned matrices
+    by shape: one batched Newton–Schulz call each. ``owned`` lists them in
+    plan order.
     """
 
     owned: tuple[int, ...]
@@ -178,6 +273,7 @@ class RankLayout:
     send_sizes: tuple[tuple[int, ...], ...]
     row_ranges: dict[int, tuple[tuple[int, int], ...]]
     ns_batches: dict[tuple[int, int], tuple[int, ...]]
+    batch_rows: tuple[tuple[tuple[int, int], ...], ...]
 
 
 def compute_rank_layout(
@@ -187,21 +283,56 @@ def compute_rank_layout(
     all matrices) under ``plan``."""
     n = plan.num_ranks
     chosen = set(range(len(plan.matrices)) if bucket is None else bucket)
-    owners_of = tuple(tuple(i for i in plan.owned_by(o) if i in chosen) for o in range(n))
-    owned = owners_of[rank]
-    send_sizes = tuple(tuple(plan.local_numel(i, rank) for i in ids) for ids in owners_of)
-    recv_sizes = tuple(tuple(plan.local_numel(i, src) for i in owned) for src in range(n))
+    owners_of = tuple(
+        _by_shape(plan, [i for i in plan.owned_by(o) if i in chosen]) for o in range(n)
+    )
     batches: dict[tuple[int, int], list[int]] = {}
-    for i in owned:
+    for i in owners_of[rank]:
         batches.setdefault(plan.matrices[i].shape, []).append(i)
+    send_sizes = tuple(tuple(plan.local_numel(i, rank) for i in ids) for ids in owners_of)
+    recv_sizes = tuple(tuple(plan.local_numel(i, src) for i in owners_of[rank]) for src in range(n))
     return RankLayout(
-        owned=owned,
+        owned=tuple(sorted(owners_of[rank])),
         owners_of=owners_of,
         send_order=tuple(i for ids in owners_of for i in ids),
         send_splits=tuple(sum(sizes) for sizes in send_sizes),
         recv_splits=tuple(sum(sizes) for sizes in recv_sizes),
         recv_sizes=recv_sizes,
         send_sizes=send_sizes,
-        row_ranges={i: chunk_rows(plan.matrices[i].shape[0], n) for i in owned},
+        row_ranges={i: chunk_rows(plan.matrices[i].shape[0], n) for i in owners_of[rank]},
         ns_batches={shape: tuple(ids) for shape, ids in batches.items()},
+        batch_rows=tuple(tuple(row_range(rows, n, src) for rows, _ in batches) for src in range(n)),
     )
+
+
+def _by_shape(plan: OwnershipPlan, ids: list[int]) -> tuple[int, ...]:
+    """``ids`` grouped by shape (shapes in order of first appearance), so
+    that each batch of an owner arrives as one block per sender."""
+    first: dict[tuple[int, int], int] = {}
+    for k, i in enumerate(ids):
+        first.setdefault(plan.matrices[i].shape, k)
+    return tuple(sorted(ids, key=lambda i: first[plan.matrices[i].shape]))
+
+
+def format_ns_schedule(
+    matrices: Sequence[MatrixSpec], num_ranks: int, bucket_numel: int = DEFAULT_BUCKET_NUMEL
+) -> list[str]:
+    """``ray-fsdp plan``'s lines on DMuon: Newton–Schulz work per rank and the
+    step's critical path against the ideal (total / ``num_ranks``), for this
+    schedule and for buckets cut in model order."""
+    if not matrices:
+        return ["DMuon:    no dedicated matrices (everything goes to AdamW)"]
+    plan = compute_ownership_plan(matrices, num_ranks, bucket_numel)
+    in_order = replace(plan, buckets=compute_buckets(plan, bucket_numel))
+    counts = [len(plan.owned_by(r)) for r in range(num_ranks)]
+    tflop = 2 * sum(plan.loads) / 1e12  # a multiply-add is two FLOPs
+    return [
+        f"DMuon:    Newton–Schulz on {len(matrices)} matrices, {tflop:,.2f} TFLOP per step, "
+        f"owners among the {num_ranks} rank(s) of a shard group",
+        f"  per rank       {min(counts)}-{max(counts)} matrices, "
+        f"{min(plan.loads) / plan.ideal:.2f}-{max(plan.loads) / plan.ideal:.2f}x the ideal FLOPs",
+        f"  critical path  {plan.critical_path / plan.ideal:.2f}x the ideal, "
+        f"{len(plan.schedule)} bucket(s) (model-order buckets "
+        f"{in_order.critical_path / plan.ideal:.2f}x; whole-matrix owners allow "
+        f"{plan.whole_matrix_bound / plan.ideal:.2f}x)",
+    ]

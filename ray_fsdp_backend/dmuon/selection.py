@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ray_fsdp_backend.dmuon.plan import MatrixSpec
 from ray_fsdp_backend.strategies.blocks import find_blocks
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -67,3 +68,12 @@ def select_parameters(
                 "2-D matrices only; leave it to AdamW (is_dedicated)"
             )
     return dedicated, rest
+
+
+def dedicated_specs(
+    model: nn.Module, is_dedicated: Callable[[str, nn.Parameter], bool] | None = None
+) -> list[MatrixSpec]:
+    """Name and shape of each matrix Muon would orthogonalise in ``model``
+    (which may live on the meta device), for planning without building it."""
+    dedicated, _ = select_parameters(model, is_dedicated)
+    return [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from ray_fsdp_backend.dmuon.plan import (
+    DEFAULT_BUCKET_NUMEL,
     MatrixSpec,
     chunk_rows,
     compute_buckets,
@@ -146,3 +148,120 @@ def test_fingerprint_identifies_the_plan():
 def test_bad_inputs_raise_value_error(specs, n, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         compute_ownership_plan(specs, n)
+
+
+# ------------------------------------------------ FLOP balance and schedule
+
+
+def decoder_specs(n_layers: int, dim: int, kv_dim: int, hidden: int) -> list[MatrixSpec]:
+    """The block matrices of a Llama-shaped decoder (the example model's)."""
+    shapes = {"wq": (dim, dim), "wk": (kv_dim, dim), "wv": (kv_dim, dim), "wo": (dim, dim),
+              "w1": (hidden, dim), "w3": (hidden, dim), "w2": (dim, hidden)}  # fmt: skip
+    return [
+        MatrixSpec(f"layers.{layer}.{name}.weight", shape)
+        for layer in range(n_layers)
+        for name, shape in shapes.items()
+    ]
+
+
+PRESETS = {
+    "1b": decoder_specs(22, 2048, 1024, 5504),  # the example model's "1b" preset
+    "7b": decoder_specs(32, 4096, 4096, 11008),  # Llama-2-7B's shapes
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_owners_balance_flops_within_ten_percent_for_a_mix_of_shapes(preset, n):
+    plan = compute_ownership_plan(PRESETS[preset], n, DEFAULT_BUCKET_NUMEL)
+    assert max(plan.loads) <= 1.10 * plan.ideal
+    assert min(plan.loads) >= 0.90 * plan.ideal
+    # Balanced by FLOPs, not by count: ranks own different numbers of matrices.
+    if preset == "1b" and n == 8:
+        assert len({len(plan.owned_by(r)) for r in range(n)}) > 1
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("n", [8, 64, 256])
+def test_critical_path_is_within_1_3x_of_what_whole_matrix_owners_allow(preset, n):
+    """Sum over buckets of the busiest rank's Newton–Schulz FLOPs. With one
+    owner per matrix nothing beats ``whole_matrix_bound``; where that is the
+    ideal (total / N) the bound is 1.3x the ideal itself."""
+    plan = compute_ownership_plan(PRESETS[preset], n, DEFAULT_BUCKET_NUMEL)
+    assert plan.critical_path <= 1.3 * plan.whole_matrix_bound
+    if plan.whole_matrix_bound == plan.ideal:
+        assert plan.critical_path <= 1.3 * plan.ideal
+    assert sorted(i for b in plan.schedule for i in b) == list(range(len(PRESETS[preset])))
+    # The previous schedule, buckets cut in model order, was 4x to 50x off.
+    in_order = replace(plan, buckets=compute_buckets(plan, DEFAULT_BUCKET_NUMEL))
+    assert in_order.critical_path > 3 * plan.critical_path
+
+
+@pytest.mark.parametrize("preset, n", [("1b", 8), ("7b", 8), ("7b", 64)])
+def test_critical_path_reaches_1_3x_ideal_where_whole_matrices_allow(preset, n):
+    plan = compute_ownership_plan(PRESETS[preset], n, DEFAULT_BUCKET_NUMEL)
+    assert plan.critical_path <= 1.3 * plan.ideal
+    assert len(plan.schedule) > 1  # several buckets still pipeline the exchanges
+
+
+def test_whole_matrix_bound_is_the_largest_matrix_or_a_shared_pair():
+    specs = [MatrixSpec("a", (8, 8)), MatrixSpec("b", (8, 8)), MatrixSpec("c", (4, 4))]
+    big, small = ns_cost((8, 8)), ns_cost((4, 4))
+    plan = compute_ownership_plan(specs, 4)
+    assert plan.whole_matrix_bound == big and plan.critical_path == big
+    plan = compute_ownership_plan(specs, 2)
+    assert plan.whole_matrix_bound == max(big + small, (2 * big + small) / 2)
+    assert plan.ideal == (2 * big + small) / 2
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_every_rank_works_in_every_bucket_and_owners_assemble_about_the_cap(n):
+    specs = PRESETS["1b"][: 7 * 4]
+    cap = 3 * 5504 * 2048
+    plan = compute_ownership_plan(specs, n, cap)
+    assert len(plan.schedule) > 1
+    assert plan.owners == compute_ownership_plan(specs, n).owners  # buckets do not move owners
+    for bucket in plan.schedule:
+        assert {plan.owners[i] for i in bucket} == set(range(n))
+        assert list(bucket) == sorted(bucket)
+        for rank in range(n):
+            assembled = sum(_numel(specs[i]) for i in bucket if plan.owners[i] == rank)
+            assert assembled <= 2 * cap
+    layouts = [compute_rank_layout(plan, 0, b) for b in plan.schedule]
+    assert sorted(i for lay in layouts for i in lay.owned) == list(plan.owned_by(0))
+
+
+def test_buckets_are_part_of_the_fingerprint():
+    specs = PRESETS["1b"][:14]
+    one = compute_ownership_plan(specs, 2)
+    cut = compute_ownership_plan(specs, 2, 5504 * 2048)
+    assert len(cut.schedule) > 1 and one.owners == cut.owners
+    assert one.fingerprint() != cut.fingerprint()
+
+
+def test_batches_arrive_as_one_block_per_sender():
+    specs = [MatrixSpec("a", (6, 4)), MatrixSpec("b", (4, 4)), MatrixSpec("c", (6, 4))]
+    plan = compute_ownership_plan(specs, 1)
+    lay = compute_rank_layout(plan, 0)
+    assert lay.owned == (0, 1, 2)
+    assert lay.owners_of == ((0, 2, 1),)  # grouped by shape
+    assert lay.ns_batches == {(6, 4): (0, 2), (4, 4): (1,)}
+    plan = compute_ownership_plan(specs, 4)
+    lay = compute_rank_layout(plan, plan.owners[0])
+    assert lay.batch_rows[3][0] == (6, 6)  # rank 3 holds no rows of a 6-row matrix
+
+
+def _numel(spec: MatrixSpec) -> int:
+    return spec.shape[0] * spec.shape[1]
+
+
+def test_plan_command_prints_the_critical_path_for_dmuon_configs():
+    from ray_fsdp_backend import cli
+
+    spec = cli.load("examples/dmuon.yaml", ["model.preset=1b"])
+    text = cli.format_plan(spec, 1, 8)
+    assert "DMuon:    Newton–Schulz on 154 matrices" in text
+    plan = compute_ownership_plan(PRESETS["1b"], 8, DEFAULT_BUCKET_NUMEL)
+    assert f"critical path  {plan.critical_path / plan.ideal:.2f}x the ideal" in text
+    assert "model-order buckets 4.11x" in text
+    assert "DMuon" not in cli.format_plan(cli.load("examples/ddp.yaml", []), 1, 2)
