@@ -32,7 +32,9 @@ def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
     """The mesh layout for ``config`` on ``topology`` (pure; raises ValueError
     for an impossible layout)."""
     strategy = config.sharding_strategy if config.use_fsdp else None
-    return compute_mesh_layout(strategy, topology, config.fsdp_hsdp_replicate_size)
+    return compute_mesh_layout(
+        strategy, topology, config.fsdp_hsdp_replicate_size, config.hsdp_uneven_nodes
+    )
 
 
 def topology_from_environment() -> Topology:
