@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ray_fsdp_backend.elastic import elastic_world_sizes, split_global_batch, worker_range
+from ray_fsdp_backend.elastic import describe_split, elastic_world_sizes, worker_range
 from ray_fsdp_backend.example.spec import (
     RunSpec,
     apply_overrides,
@@ -173,7 +173,10 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
             f"--set scaling.num_workers={world}"
         )
     if spec.train.global_batch_size is not None:
-        lines.append(f"batch:    {describe_batch(spec.train, world)}")
+        train = spec.train
+        lines.append(
+            f"batch:    {describe_split(train.global_batch_size, world, train.micro_batch_size)}"
+        )
     for axis, what in (
         (SHARD_AXIS, "parameters split among these ranks: all-gather, reduce-scatter"),
         (REPLICATE_AXIS, "same parameters on each rank: gradients all-reduced"),
@@ -187,13 +190,6 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
             lines += [f"  {format_ranks(g)}" for g in groups]
     lines += format_memory(spec, strategy, layout.axis_size(SHARD_AXIS))
     return "\n".join(lines)
-
-
-def describe_batch(train, world: int) -> str:
-    try:
-        return split_global_batch(train.global_batch_size, world, train.micro_batch_size).describe()
-    except ValueError as exc:
-        return f"refused: {exc}"
 
 
 def _describe_nodes(node_counts: Sequence[int]) -> str:

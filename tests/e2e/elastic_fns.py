@@ -24,8 +24,8 @@ from tests.e2e.ckpt_fns import full_params
 class RecordingBatches:
     """A ``ShardedBatches`` whose window starts are written, one line per micro-batch."""
 
-    def __init__(self, inner, record: dict, world_size: int, rank: int) -> None:
-        self.inner, self.record, self.world_size = inner, record, world_size
+    def __init__(self, inner, record: dict, world_size: int, rank: int, mesh: list) -> None:
+        self.inner, self.record, self.world_size, self.mesh = inner, record, world_size, mesh
         self.path = os.path.join(record["dir"], f"rank{rank}_pid{os.getpid()}.jsonl")
         self.batches = 0
         self._starts: list[int] = []
@@ -37,7 +37,7 @@ class RecordingBatches:
         position = self.inner.position
         self._starts.clear()
         out = self.inner.next_batch()
-        line = {"t": time.time(), "ws": self.world_size, "position": position}
+        line = {"t": time.time(), "ws": self.world_size, "mesh": self.mesh, "position": position}
         with open(self.path, "a") as f:
             f.write(json.dumps({**line, "starts": list(self._starts)}) + "\n")
         self.batches += 1
@@ -70,9 +70,9 @@ def train_recording(loop_config: dict) -> dict:
     build_batches, build_optimizer = example_train.build_batches, example_train.build_optimizer
 
     def recording_batches(spec, dp_rank, dp_size):
-        return RecordingBatches(
-            build_batches(spec, dp_rank, dp_size), record, ctx.world_size, ctx.world_rank
-        )
+        inner = build_batches(spec, dp_rank, dp_size)
+        mesh = list(ctx.mesh.shape)
+        return RecordingBatches(inner, record, ctx.world_size, ctx.world_rank, mesh)
 
     def keeping_optimizer(model, spec):
         kept["model"] = model

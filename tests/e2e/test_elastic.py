@@ -33,7 +33,12 @@ pytestmark = pytest.mark.e2e
 
 STEPS, GLOBAL, MICRO, SEQ = 12, 8, 2, 32
 CONFIG = {
-    "distributed": {"use_fsdp": True, "use_mixed_precision": False},
+    # HSDP: at 4 workers a (2, 2) mesh over both nodes, at 2 a (1, 2) mesh on the node left.
+    "distributed": {
+        "use_fsdp": True,
+        "fsdp_sharding_strategy": "hybrid_shard",
+        "use_mixed_precision": False,
+    },
     "model": {"dim": 32, "n_layers": 2, "n_heads": 2, "seq_len": SEQ},
     "train": {
         "steps": STEPS,
@@ -143,6 +148,8 @@ def test_elastic_run_shrinks_grows_and_matches_a_fixed_size_run(tmp_path):
     print(f"elastic run {elastic_s:.0f} s; attempts (world size, resume step): "
           f"{list(zip(sizes, resumes, strict=True))}")  # fmt: skip
     assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4
+    meshes = {a[0]["ws"]: a[0]["mesh"] for a in attempts}
+    assert meshes == {4: [2, 2], 2: [1, 2]}  # HSDP rebuilt from the nodes there are
     assert resumes[0] == 0 and all(0 < r < STEPS for r in resumes[1:])
     assert resumes == sorted(resumes)  # each restart resumed from a newer checkpoint
 
@@ -163,5 +170,7 @@ def test_elastic_run_shrinks_grows_and_matches_a_fixed_size_run(tmp_path):
             torch.tensor(result["out"]["params"][name]), torch.tensor(value),
             atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}",
         )  # fmt: skip
-    final_loss = {h["step"]: h["loss"] for h in fixed["history"]}[STEPS]
-    assert history[-1]["loss"] == pytest.approx(final_loss, rel=1e-4)
+    fixed_by_step = {h["step"]: h for h in fixed["history"]}
+    assert history[-1]["loss"] == pytest.approx(fixed_by_step[STEPS]["loss"], rel=1e-4)
+    for h in history:  # the schedule continued from the checkpoint, not from step 0
+        assert h["lr"] == pytest.approx(fixed_by_step[h["step"]]["lr"], rel=1e-9)

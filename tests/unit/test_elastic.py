@@ -146,3 +146,16 @@ def test_hsdp_uneven_nodes_full_shard_falls_back_to_one_axis():
 def test_hsdp_uneven_nodes_is_validated():
     with pytest.raises(ValueError, match="hsdp_uneven_nodes='drop'"):
         _hsdp(hsdp_uneven_nodes="drop")
+
+
+def test_scaling_config_is_elastic_only_for_a_range():
+    from ray_fsdp_backend.cli import scaling_config
+
+    elastic = scaling_config(build_spec(_doc(global_batch_size=32)), use_gpu=False)
+    assert elastic.num_workers == (8, 16)
+    fixed_doc = _doc()
+    fixed_doc["scaling"] = {"num_workers": 8, "elastic_resize_monitor_interval_s": 5}
+    assert scaling_config(build_spec(fixed_doc), use_gpu=False).num_workers == 8
+    doc = _doc()
+    doc["scaling"]["elastic_resize_monitor_interval_s"] = 2.0
+    assert scaling_config(build_spec(doc), use_gpu=False).elastic_resize_monitor_interval_s == 2.0
