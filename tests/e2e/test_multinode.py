@@ -54,11 +54,6 @@ def test_hsdp_shard_groups_stay_inside_a_node(two_nodes):
         torch.testing.assert_close(torch.tensor(out["params"][name]), value, atol=1e-5, rtol=1e-5)
 
 
-def test_uneven_nodes_fail_at_start_with_a_clear_error(two_nodes):
-    with pytest.raises(Exception, match="same number of workers; got \\[2, 1\\]"):
-        _trainer(3, fsdp_sharding_strategy="hybrid_shard").fit()
-
-
 @pytest.mark.parametrize("policy", ["split_nodes", "full_shard"])
 def test_uneven_nodes_policy_trains_like_one_process(two_nodes, policy):
     """3 workers on nodes of [2, 1] (a node back with fewer GPUs)."""
@@ -74,3 +69,8 @@ def test_uneven_nodes_policy_trains_like_one_process(two_nodes, policy):
             assert len(r["groups"]["dp_replicate"]) == 3
     for name, value in reference_toy(STEPS, batch=15).items():
         torch.testing.assert_close(torch.tensor(out["params"][name]), value, atol=1e-5, rtol=1e-5)
+
+
+def test_uneven_nodes_fail_at_start_with_a_clear_error(two_nodes):
+    with pytest.raises(Exception, match="same number of workers; got \\[2, 1\\]"):
+        _trainer(3, fsdp_sharding_strategy="hybrid_shard").fit()
