@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ray_fsdp_backend.elastic import describe_split, elastic_world_sizes, worker_range
 from ray_fsdp_backend.example.spec import (
     RunSpec,
     apply_overrides,
@@ -30,7 +31,7 @@ from ray_fsdp_backend.example.spec import (
 )
 from ray_fsdp_backend.memory import ModelSize, estimate_memory, format_bytes
 from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS, compute_topology_from_env
+from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS, topology_from_node_counts
 
 EXIT_INVALID = 2
 
@@ -119,14 +120,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be at least 1")
     print(format_plan(spec, args.nodes, args.gpus_per_node))
+    low, high = worker_range(spec.scaling.num_workers)
+    if low != high:
+        print(format_elastic_plan(spec, args.gpus_per_node))
     return 0
+
+
+def format_elastic_plan(spec: RunSpec, gpus_per_node: int) -> str:
+    """Both ends of an elastic run (``num_workers: [min, max]``), as whole
+    nodes of ``gpus_per_node`` workers (a partial node shown as such), and
+    which worker counts in between the global batch cannot split."""
+    low, high = worker_range(spec.scaling.num_workers)
+    lines = [f"\nelastic: scaling.num_workers=[{low}, {high}]"]
+    for label, world in (("smallest", low), ("largest", high)):
+        nodes, rest = divmod(world, gpus_per_node)
+        node_counts = [gpus_per_node] * nodes + ([rest] if rest else [])
+        lines.append(f"\n== {label}: {world} workers on nodes of {node_counts} ==")
+        try:
+            lines.append(plan_for_nodes(spec, node_counts))
+        except ValueError as exc:
+            lines.append(f"refused at this size: {exc}")
+    if spec.train.global_batch_size is not None:
+        _, refused = elastic_world_sizes(spec.train.global_batch_size, low, high)
+        if refused:
+            lines.append(
+                f"\nwarning: train.global_batch_size={spec.train.global_batch_size} cannot be "
+                f"split over {refused} workers: a restart at those sizes fails at start"
+            )
+    return "\n".join(lines)
 
 
 def format_plan(spec: RunSpec, nodes: int, gpus_per_node: int) -> str:
     """The ``plan`` report; raises ValueError for a layout the backend refuses."""
-    world = nodes * gpus_per_node
-    topology = compute_topology_from_env(world, gpus_per_node)
-    layout = resolve_layout(spec.distributed, topology)
+    return plan_for_nodes(spec, [gpus_per_node] * nodes)
+
+
+def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
+    """The ``plan`` report for nodes running ``node_counts`` workers each."""
+    world = sum(node_counts)
+    layout = resolve_layout(spec.distributed, topology_from_node_counts(node_counts))
     cfg = spec.distributed
     strategy = cfg.sharding_strategy if cfg.use_fsdp else None
     name = "DDP" if strategy is None else f"FSDP2 {strategy.value}"
@@ -137,13 +169,19 @@ def format_plan(spec: RunSpec, nodes: int, gpus_per_node: int) -> str:
     shape = ", ".join(f"{a}={s}" for a, s in zip(layout.axis_names, layout.shape, strict=True))
     lines = [
         f"strategy: {name}",
-        f"cluster:  {nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks",
+        f"cluster:  {_describe_nodes(node_counts)} = {world} ranks",
         f"mesh:     ({shape})",
     ]
-    if spec.scaling.num_workers != world:
+    low, high = worker_range(spec.scaling.num_workers)
+    if not low <= world <= high:
         lines.append(
             f"note:     scaling.num_workers={spec.scaling.num_workers}; train this layout with "
             f"--set scaling.num_workers={world}"
+        )
+    if spec.train.global_batch_size is not None:
+        train = spec.train
+        lines.append(
+            f"batch:    {describe_split(train.global_batch_size, world, train.micro_batch_size)}"
         )
     for axis, what in (
         (SHARD_AXIS, "parameters split among these ranks: all-gather, reduce-scatter"),
@@ -173,6 +211,12 @@ def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
     with torch.device("meta"):
         model = Transformer(spec.model)
     return format_ns_schedule(dedicated_specs(model), shard_size)
+
+
+def _describe_nodes(node_counts: Sequence[int]) -> str:
+    if len(set(node_counts)) == 1:
+        return f"{len(node_counts)} node(s) x {node_counts[0]} GPU(s)"
+    return f"{len(node_counts)} nodes of {list(node_counts)} GPU(s)"
 
 
 def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:
@@ -253,7 +297,7 @@ def absolute_tensorboard_dir(doc: dict) -> dict:
 def run_training(spec: RunSpec, name: str):
     """Fit the example model with a ``TorchTrainer``; returns the Ray ``Result``."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
     from ray_fsdp_backend.example.train import train_loop_per_worker
@@ -271,12 +315,7 @@ def run_training(spec: RunSpec, name: str):
         train_loop_per_worker,
         train_loop_config=spec.raw,
         torch_config=spec.distributed,
-        scaling_config=ScalingConfig(
-            num_workers=spec.scaling.num_workers,
-            use_gpu=use_gpu,
-            resources_per_worker=spec.scaling.resources_per_worker,
-            placement_strategy=spec.scaling.placement_strategy,
-        ),
+        scaling_config=scaling_config(spec, use_gpu),
         run_config=RunConfig(
             name=name,
             storage_path=spec.run.storage_path,
@@ -287,9 +326,24 @@ def run_training(spec: RunSpec, name: str):
     return trainer.fit()
 
 
+def scaling_config(spec: RunSpec, use_gpu: bool):
+    """Ray's ``ScalingConfig``; ``num_workers: [min, max]`` makes it elastic."""
+    from ray.train import ScalingConfig
+
+    low, high = worker_range(spec.scaling.num_workers)
+    elastic = {"elastic_resize_monitor_interval_s": spec.scaling.elastic_resize_monitor_interval_s}
+    return ScalingConfig(
+        num_workers=low if low == high else (low, high),
+        use_gpu=use_gpu,
+        resources_per_worker=spec.scaling.resources_per_worker,
+        placement_strategy=spec.scaling.placement_strategy,
+        **(elastic if low != high else {}),
+    )
+
+
 def _worker_cpus(spec: RunSpec) -> int:
     per_worker = (spec.scaling.resources_per_worker or {}).get("CPU", 1)
-    return int(math.ceil(per_worker * spec.scaling.num_workers))
+    return int(math.ceil(per_worker * worker_range(spec.scaling.num_workers)[1]))
 
 
 def resolve_use_gpu(setting: bool | str, cluster_resources: dict) -> bool:

@@ -49,6 +49,8 @@ class ShardingStrategy(str, enum.Enum):
 _STRATEGY_ALIASES = {"hybrid_shard_zero2": ShardingStrategy.HYBRID_SHARD_ZERO2}
 _REDUCE_DTYPES = ("bf16", "fp32")
 _INIT_METHODS = ("env", "tcp")
+UNEVEN_NODE_POLICIES = ("error", "split_nodes", "full_shard")
+"""``hsdp_uneven_nodes`` values (used by :mod:`ray_fsdp_backend.topology`)."""
 _BACKENDS = ("nccl", "gloo", "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl")
 
 
@@ -88,6 +90,14 @@ class FSDPSettings:
     fsdp_hsdp_replicate_size: int | None = None
     """HSDP replicate-axis size. None: one replica per node, i.e. shard inside
     each node and replicate across nodes. Only valid with a hybrid strategy."""
+
+    hsdp_uneven_nodes: str = "error"
+    """HSDP on nodes with unequal worker counts (e.g. an elastic restart after
+    a node came back with fewer GPUs), when ``fsdp_hsdp_replicate_size`` is
+    unset: ``error`` refuses at start with the counts; ``split_nodes`` shards
+    over groups of ``gcd(workers per node)`` ranks, each inside one node, and
+    replicates across the groups; ``full_shard`` shards over all ranks (1-D
+    mesh, cross-node traffic). Equal nodes are unaffected."""
 
     fsdp_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in pinned CPU
@@ -197,6 +207,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "use_fsdp": (bool,),
     "fsdp_sharding_strategy": (str,),
     "fsdp_hsdp_replicate_size": (int, type(None)),
+    "hsdp_uneven_nodes": (str,),
     "fsdp_cpu_offload": (bool,),
     "use_mixed_precision": (bool,),
     "bf16": (bool,),
@@ -259,6 +270,7 @@ def _check_values(cfg: FSDPSettings) -> None:
         _check_one_of("backend", cfg.backend, _BACKENDS)
     _check_one_of("init_method", cfg.init_method, _INIT_METHODS)
     _check_one_of("fsdp_reduce_dtype", cfg.fsdp_reduce_dtype, _REDUCE_DTYPES)
+    _check_one_of("hsdp_uneven_nodes", cfg.hsdp_uneven_nodes, UNEVEN_NODE_POLICIES)
     if cfg.timeout_s <= 0:
         raise ValueError(f"timeout_s={cfg.timeout_s!r} must be a positive number of seconds")
     if cfg.bucket_cap_mb <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -15,6 +16,8 @@ from ray_fsdp_backend.topology import (
     compute_mesh_layout,
     compute_topology_from_env,
 )
+
+_logger = logging.getLogger(__name__)
 
 
 def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
@@ -30,9 +33,21 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
 
 def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
     """The mesh layout for ``config`` on ``topology`` (pure; raises ValueError
-    for an impossible layout)."""
+    for an impossible layout). Logs when ``hsdp_uneven_nodes`` chose it."""
     strategy = config.sharding_strategy if config.use_fsdp else None
-    return compute_mesh_layout(strategy, topology, config.fsdp_hsdp_replicate_size)
+    layout = compute_mesh_layout(
+        strategy, topology, config.fsdp_hsdp_replicate_size, config.hsdp_uneven_nodes
+    )
+    uneven = strategy is not None and strategy.is_hybrid and not topology.is_uniform
+    if uneven and config.fsdp_hsdp_replicate_size is None:
+        _logger.warning(
+            "HSDP on nodes with %s workers: hsdp_uneven_nodes=%r gives mesh %s %s",
+            list(topology.workers_per_node),
+            config.hsdp_uneven_nodes,
+            layout.axis_names,
+            layout.shape,
+        )
+    return layout
 
 
 def topology_from_environment() -> Topology:

@@ -13,10 +13,11 @@ parameters among themselves). FSDP uses ``(dp_shard,)``, HSDP
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ray_fsdp_backend.config import ShardingStrategy
+from ray_fsdp_backend.config import UNEVEN_NODE_POLICIES, ShardingStrategy
 
 REPLICATE_AXIS = "dp_replicate"
 SHARD_AXIS = "dp_shard"
@@ -130,44 +131,74 @@ def compute_topology_from_env(world_size: int, local_world_size: int) -> Topolog
     return Topology(nodes=tuple(tuple(range(i, i + per)) for i in range(0, world_size, per)))
 
 
+def topology_from_node_counts(node_counts: Sequence[int]) -> Topology:
+    """Nodes running ``node_counts`` workers each, ranks numbered node by node."""
+    starts = [sum(node_counts[:i]) for i in range(len(node_counts))]
+    return Topology(
+        nodes=tuple(tuple(range(a, a + n)) for a, n in zip(starts, node_counts, strict=True))
+    )
+
+
 def compute_mesh_layout(
     strategy: ShardingStrategy | None,
     topology: Topology,
     replicate_size: int | None = None,
+    uneven_nodes: str = "error",
 ) -> MeshLayout:
     """The mesh for a strategy on a cluster; ``strategy=None`` means DDP.
 
     Ranks fill the grid node by node, so with the HSDP default (one replica
     per node) every ``dp_shard`` group is one node and every ``dp_replicate``
-    group holds one rank of each node.
+    group holds one rank of each node. ``uneven_nodes`` decides HSDP on nodes
+    with unequal worker counts (an elastic restart after a node came back
+    with fewer GPUs) when ``replicate_size`` is not given: ``error`` refuses,
+    ``split_nodes`` shards over groups of ``gcd(workers per node)`` ranks,
+    each inside one node, and ``full_shard`` uses a 1-D mesh over all ranks.
 
     Raises:
-        ValueError: HSDP on nodes with unequal worker counts and no explicit
-            ``replicate_size``, or a ``replicate_size`` that does not divide
-            the world size.
+        ValueError: HSDP on unequal nodes under ``uneven_nodes="error"``, or a
+            ``replicate_size`` that does not divide the world size.
     """
     order = topology.ranks_node_major
     if strategy is None:
         return MeshLayout(axis_names=(REPLICATE_AXIS,), grid=order)
-    if not strategy.is_hybrid:
+    hybrid = strategy.is_hybrid
+    if hybrid and replicate_size is None and not topology.is_uniform:
+        hybrid = _check_uneven_policy(topology, uneven_nodes) != "full_shard"
+    if not hybrid:
         return MeshLayout(axis_names=(SHARD_AXIS,), grid=order)
-    replicate = resolve_replicate_size(topology, replicate_size)
+    replicate = resolve_replicate_size(topology, replicate_size, uneven_nodes)
     shard = topology.world_size // replicate
     rows = tuple(order[i * shard : (i + 1) * shard] for i in range(replicate))
     return MeshLayout(axis_names=(REPLICATE_AXIS, SHARD_AXIS), grid=rows)
 
 
-def resolve_replicate_size(topology: Topology, replicate_size: int | None) -> int:
-    """HSDP replicate-axis size: the number of nodes unless overridden."""
+def _check_uneven_policy(topology: Topology, uneven_nodes: str) -> str:
+    if uneven_nodes not in UNEVEN_NODE_POLICIES:
+        raise ValueError(
+            f"hsdp_uneven_nodes={uneven_nodes!r} is not one of {', '.join(UNEVEN_NODE_POLICIES)}"
+        )
+    if uneven_nodes == "error":
+        raise ValueError(
+            "hybrid sharding shards inside a node, so every node must run the same "
+            f"number of workers; got {list(topology.workers_per_node)} workers on "
+            f"{topology.num_nodes} nodes. Use equal nodes, set fsdp_hsdp_replicate_size, "
+            "or set hsdp_uneven_nodes to split_nodes or full_shard."
+        )
+    return uneven_nodes
+
+
+def resolve_replicate_size(
+    topology: Topology, replicate_size: int | None, uneven_nodes: str = "error"
+) -> int:
+    """HSDP replicate-axis size: the number of nodes unless overridden; on
+    unequal nodes under ``split_nodes``, ``world / gcd(workers per node)``."""
     world = topology.world_size
     if replicate_size is None:
-        if not topology.is_uniform:
-            raise ValueError(
-                "hybrid sharding shards inside a node, so every node must run the same "
-                f"number of workers; got {list(topology.workers_per_node)} workers on "
-                f"{topology.num_nodes} nodes. Use equal nodes or set fsdp_hsdp_replicate_size."
-            )
-        return topology.num_nodes
+        if topology.is_uniform:
+            return topology.num_nodes
+        _check_uneven_policy(topology, uneven_nodes)
+        return world // math.gcd(*topology.workers_per_node)
     if world % replicate_size:
         raise ValueError(
             f"fsdp_hsdp_replicate_size={replicate_size} does not divide the world size "

@@ -16,8 +16,17 @@ them. Hence:
 
 For datasets too large for one file, :func:`pack_text_rows` cuts a Ray Data
 text dataset into the same fixed-length byte rows, which each worker reads
-from ``ray.train.get_dataset_shard("train")``; that stream follows Ray Data's
-order and restarts from the beginning of the dataset on resume.
+from ``ray.train.get_dataset_shard("train")`` (:class:`RayDataBatches`). A
+Ray Data stream cannot seek, and ``streaming_split`` hands blocks to ranks as
+they ask for them, so its position is a *count*: the rows the whole job has
+read in the current epoch. On resume, at any worker count, each rank drops
+its share of that count from the restarted stream, so the job reads as many
+rows of the epoch as the interrupted run had left and the epoch ends where it
+would have. Which rows are dropped follows Ray Data's block order on the new
+attempt: with a deterministic dataset order (``DataContext.execution_options.
+preserve_order = True``) and an unchanged worker count they are the rows
+already read; otherwise some rows of that one epoch may be read again and as
+many skipped. Later epochs are read whole.
 """
 
 from __future__ import annotations
@@ -146,6 +155,58 @@ class ShardedBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
+
+
+class RayDataBatches:
+    """Micro-batches from a Ray Data shard of fixed-length token rows
+    (:func:`pack_text_rows`), epoch after epoch.
+
+    Every rank's shard has the same number of rows (``streaming_split(equal=True)``),
+    so all ranks start each epoch together. ``state_dict`` holds the rows the
+    job read in this epoch; :meth:`load_state_dict` makes the next epoch
+    iteration drop this rank's share of them (see the module docstring).
+    """
+
+    def __init__(self, shard, micro_batch_size: int, dp_size: int = 1) -> None:
+        self.shard, self.micro_batch_size, self.dp_size = shard, micro_batch_size, dp_size
+        self.epoch, self.epoch_rows, self._skip_batches = 0, 0, 0
+        self._it: Iterator | None = None  # None: the epoch's stream is not open yet
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for _ in range(2):
+            for batch in self._it or ():
+                self.epoch_rows += self.micro_batch_size * self.dp_size
+                return split_rows(batch["tokens"])
+            if self._it is not None:  # the epoch's stream ran out
+                self.epoch, self.epoch_rows = self.epoch + 1, 0
+            self._it = self._new_epoch()
+        raise RuntimeError("the Ray Data shard has fewer rows than one micro-batch")
+
+    def _new_epoch(self) -> Iterator:
+        it = iter(self.shard.iter_torch_batches(batch_size=self.micro_batch_size, drop_last=True))
+        for _ in range(self._skip_batches):
+            next(it, None)
+        self._skip_batches = 0
+        return it
+
+    @property
+    def position(self) -> int:
+        """Rows the job read in the current epoch (the ``data_position`` metric;
+        a Ray Data input has no global order beyond its epoch)."""
+        return self.epoch_rows
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "epoch_rows": self.epoch_rows}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.epoch_rows = int(state.get("epoch", 0)), int(state.get("epoch_rows", 0))
+        self._skip_batches = skipped_batches(self.epoch_rows, self.micro_batch_size, self.dp_size)
+
+
+def skipped_batches(epoch_rows: int, micro_batch_size: int, dp_size: int) -> int:
+    """PURE: micro-batches each rank drops to resume after ``epoch_rows`` rows
+    read by the whole job (rounded down: a partial global micro-batch is read again)."""
+    return epoch_rows // (micro_batch_size * dp_size)
 
 
 def pack_text_rows(batch: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from ray_fsdp_backend.backend import FSDPConfig
+from ray_fsdp_backend.elastic import elastic_world_sizes, worker_range
 from ray_fsdp_backend.example.model import ModelConfig
 
 OPTIMIZERS = ("adamw", "muon")
@@ -41,9 +42,16 @@ class TrainOptions:
     steps: int = 100
     """Optimizer steps."""
     micro_batch_size: int = 8
-    """Sequences per rank per forward/backward."""
+    """Sequences per rank per forward/backward; with ``global_batch_size`` the
+    largest micro-batch allowed."""
     grad_accum: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync``."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks, whatever the worker count
+    (elastic runs): each (re)start derives the micro-batch and ``grad_accum``
+    from it and the data-parallel size (:mod:`ray_fsdp_backend.elastic`); it
+    must be a multiple of the world size. None: ``micro_batch_size *
+    grad_accum * workers``."""
     lr: float = 3e-3
     """Peak learning rate (after warmup; cosine decay to ``min_lr_ratio * lr``);
     with ``optimizer: muon`` the rate of the Muon matrices."""
@@ -84,8 +92,13 @@ class DataOptions:
 class ScalingOptions:
     """The ``scaling:`` section (becomes ``ray.train.ScalingConfig``)."""
 
-    num_workers: int = 2
-    """Training worker processes: one per GPU on a GPU cluster."""
+    num_workers: int | list[int] = 2
+    """Training worker processes: one per GPU on a GPU cluster. ``[min, max]``
+    makes the run elastic: Ray starts as many as fit (at least ``min``),
+    restarts smaller from the newest checkpoint when a node is lost and grows
+    back when capacity returns."""
+    elastic_resize_monitor_interval_s: float = 60.0
+    """Elastic runs: seconds between Ray's checks for room to grow the group."""
     use_gpu: bool | str = "auto"
     """True, False, or ``auto``: use GPUs when the Ray cluster has any."""
     resources_per_worker: dict[str, float] | None = None
@@ -266,7 +279,7 @@ def _names_key(message: str, key: str) -> bool:
 
 # -- the option dataclasses -------------------------------------------------
 
-_POSITIVE_INTS = {"steps", "micro_batch_size", "grad_accum", "log_every", "num_workers"}
+_POSITIVE_INTS = {"steps", "micro_batch_size", "grad_accum", "log_every"}
 _NON_NEGATIVE = {"warmup_steps", "checkpoint_every", "max_failures", "seed", "weight_decay"}
 _NON_NEGATIVE |= {"max_grad_norm", "min_lr_ratio"}
 _CHOICES = {
@@ -277,7 +290,7 @@ _CHOICES = {
     "verbose": (True, False),
 }
 _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
-_OPTIONAL_POSITIVE = {"adamw_lr"}
+_OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_interval_s"}
 _OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard"}
 
 
@@ -303,6 +316,10 @@ def _check_option(key: str, value: Any) -> None:
         raise ValueError(f"lr={value!r} must be positive")
     if key in _OPTIONAL_POSITIVE and value is not None and not (is_number and value > 0):
         raise ValueError(f"{key}={value!r} must be a positive number or null")
+    if key == "global_batch_size" and value is not None and not isinstance(value, int):
+        raise ValueError(f"global_batch_size={value!r} must be a positive int or null")
+    if key == "num_workers":
+        worker_range(value)
     if key in _CHOICES and value not in _CHOICES[key]:
         allowed = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in _CHOICES[key])
         raise ValueError(f"{key}={value!r} is not one of {allowed}")
@@ -342,6 +359,7 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
             f"{dist.use_dmuon} disagree: Muon runs as DMuon on FSDP shards, "
             "so use optimizer muon with use_dmuon true, or adamw with use_dmuon false"
         )
+    errors += _batch_errors(train, built.get("scaling"))
     if model is not None and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
     if data is not None and data.source == "ray_data" and data.path is None:
@@ -349,4 +367,26 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     if data is not None and data.source == "corpus" and data.path is not None:
         if "://" not in data.path and not os.path.isfile(data.path):
             errors.append(f"data.path={data.path!r} is not a file")
+    return errors
+
+
+def _batch_errors(train: TrainOptions | None, scaling: ScalingOptions | None) -> list[str]:
+    """A global batch that no allowed worker count can split, or that
+    conflicts with ``grad_accum`` (derived when the global batch is set)."""
+    if train is None or train.global_batch_size is None:
+        return []
+    errors = []
+    if train.grad_accum != 1:
+        errors.append(
+            f"train.grad_accum={train.grad_accum} with train.global_batch_size="
+            f"{train.global_batch_size}: grad_accum is derived from the global batch; remove it"
+        )
+    if scaling is not None:
+        low, high = worker_range(scaling.num_workers)
+        fits, _ = elastic_world_sizes(train.global_batch_size, low, high)
+        if not fits:
+            errors.append(
+                f"train.global_batch_size={train.global_batch_size} is not a multiple of any "
+                f"worker count in scaling.num_workers={scaling.num_workers}"
+            )
     return errors

@@ -16,6 +16,7 @@ and returns the metric history, which the driver turns into
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -27,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.example.data import ShardedBatches, load_corpus, split_rows
+from ray_fsdp_backend.elastic import split_global_batch
+from ray_fsdp_backend.example.data import RayDataBatches, ShardedBatches, load_corpus
 from ray_fsdp_backend.example.model import Transformer
 from ray_fsdp_backend.example.spec import RunSpec, TrainOptions, build_spec
 from ray_fsdp_backend.meter import TensorBoardWriter, show_ray_report_lines
@@ -41,8 +43,9 @@ _logger = logging.getLogger(__name__)
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]:
     """Train the example model; returns the logged history (rank 0's is used)."""
-    spec = build_spec(loop_config)
-    opts, ctx = spec.train, rfb.get_context()
+    ctx = rfb.get_context()
+    spec = fit_global_batch(build_spec(loop_config), ctx.dp_size, ctx.world_rank)
+    opts = spec.train
     show_ray_report_lines(spec.logging.verbose)
     torch.manual_seed(opts.seed)
 
@@ -79,7 +82,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
             "loss": mean_across_ranks(loss.detach(), ctx.device),
             "grad_norm": float(grad_norm),
             "lr": schedule.get_last_lr()[0],
-            "data_position": batches.state_dict()["position"],
+            "data_position": batches.position,
+            "world_size": ctx.world_size,
             **meter.measure(step),
         }
         history.append(metrics)
@@ -96,6 +100,22 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     if board is not None:
         board.close()
     return history
+
+
+def fit_global_batch(spec: RunSpec, dp_size: int, world_rank: int) -> RunSpec:
+    """With ``train.global_batch_size``: the spec with this (re)start's
+    micro-batch and ``grad_accum`` for ``dp_size`` ranks (logged); raises
+    ValueError when the global batch cannot be split over them."""
+    opts = spec.train
+    if opts.global_batch_size is None:
+        return spec
+    split = split_global_batch(opts.global_batch_size, dp_size, opts.micro_batch_size)
+    if world_rank == 0:
+        _logger.info("elastic batch: %s", split.describe())
+    train = dataclasses.replace(
+        opts, micro_batch_size=split.micro_batch_size, grad_accum=split.grad_accum
+    )
+    return dataclasses.replace(spec, train=train)
 
 
 def train_step(
@@ -160,38 +180,10 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
     """This rank's micro-batch stream: the sharded corpus, or its Ray Data shard."""
     opts, seq_len = spec.train, spec.model.seq_len
     if spec.data.source == "ray_data":
-        return RayDataBatches(ray.train.get_dataset_shard("train"), opts.micro_batch_size)
+        shard = ray.train.get_dataset_shard("train")
+        return RayDataBatches(shard, opts.micro_batch_size, dp_size)
     tokens = load_corpus(spec.data.path)
     return ShardedBatches(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
-
-
-class RayDataBatches:
-    """Micro-batches from a Ray Data shard of fixed-length token rows
-    (:func:`~ray_fsdp_backend.example.data.pack_text_rows`), epoch after epoch.
-
-    Every rank's shard has the same number of rows (``streaming_split(equal=True)``),
-    so all ranks start each epoch together. Resuming restarts the stream.
-    """
-
-    def __init__(self, shard, micro_batch_size: int) -> None:
-        self.shard, self.micro_batch_size = shard, micro_batch_size
-        self.position, self._it = 0, iter(())
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        for _ in range(2):
-            for batch in self._it:
-                self.position += 1
-                return split_rows(batch["tokens"])
-            self._it = iter(
-                self.shard.iter_torch_batches(batch_size=self.micro_batch_size, drop_last=True)
-            )
-        raise RuntimeError("the Ray Data shard has fewer rows than one micro-batch")
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = 0  # a Ray Data stream cannot seek: start it again
 
 
 def mean_across_ranks(value: torch.Tensor, device: torch.device) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import ray
 import torch
@@ -31,10 +33,10 @@ def two_nodes():
         cluster.shutdown()
 
 
-def _trainer(num_workers: int, **cfg) -> TorchTrainer:
+def _trainer(num_workers: int, batch: int = 16, **cfg) -> TorchTrainer:
     return TorchTrainer(
         train_toy,
-        train_loop_config={"steps": STEPS},
+        train_loop_config={"steps": STEPS, "batch": batch},
         torch_config=rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False, **cfg),
         scaling_config=ScalingConfig(num_workers=num_workers),
     )
@@ -49,6 +51,23 @@ def test_hsdp_shard_groups_stay_inside_a_node(two_nodes):
         assert len(shard) == 2 and {node_of[x] for x in shard} == {node_of[r["rank"]]}
         assert len(replicate) == 2 and len({node_of[x] for x in replicate}) == 2
     for name, value in reference_toy(STEPS).items():
+        torch.testing.assert_close(torch.tensor(out["params"][name]), value, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["split_nodes", "full_shard"])
+def test_uneven_nodes_policy_trains_like_one_process(two_nodes, policy):
+    """3 workers on nodes of [2, 1] (a node back with fewer GPUs)."""
+    cfg = {"fsdp_sharding_strategy": "hybrid_shard", "hsdp_uneven_nodes": policy}
+    out = _trainer(3, batch=15, **cfg).fit().return_value
+    node_of = {r["rank"]: r["node_id"] for r in out["ranks"]}
+    assert sorted(collections.Counter(node_of.values()).values()) == [1, 2]
+    for r in out["ranks"]:
+        if policy == "full_shard":  # one shard group over both nodes
+            assert list(r["groups"]) == ["dp_shard"] and len(r["groups"]["dp_shard"]) == 3
+        else:  # gcd(2, 1) = 1: shard groups of one rank, inside a node
+            assert r["groups"]["dp_shard"] == [r["rank"]]
+            assert len(r["groups"]["dp_replicate"]) == 3
+    for name, value in reference_toy(STEPS, batch=15).items():
         torch.testing.assert_close(torch.tensor(out["params"][name]), value, atol=1e-5, rtol=1e-5)
 
 

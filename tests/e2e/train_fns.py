@@ -24,7 +24,7 @@ def train_toy(loop_config: dict) -> dict:
     ctx = rfb.get_context()
     model = ctx.wrap(reference_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = make_batch()
+    x, y = make_batch(loop_config.get("batch", 16))
     per = x.shape[0] // ctx.dp_size
     x, y = (
         x[ctx.dp_rank * per : (ctx.dp_rank + 1) * per],
@@ -52,10 +52,10 @@ def train_toy(loop_config: dict) -> dict:
     return {"params": params, "ranks": everyone, "strategy": type(ctx.strategy).__name__}
 
 
-def reference_toy(steps: int) -> dict[str, torch.Tensor]:
+def reference_toy(steps: int, batch: int = 16) -> dict[str, torch.Tensor]:
     model = reference_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = make_batch()
+    x, y = make_batch(batch)
     for _ in range(steps):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -38,9 +38,14 @@ def prepared(path: Path) -> dict:
     return prepare_config(copy.deepcopy(load(path)))
 
 
-def test_there_is_an_aws_and_a_gcp_config():
-    assert {p.stem for p in RAY_UP} == {"aws", "gcp"}
-    assert {load(p)["provider"]["type"] for p in RAY_UP} == {"aws", "gcp"}
+SPOT = {"aws_spot": "aws", "gcp_preemptible": "gcp"}
+ELASTIC_JOB = KUBERAY / "rayjob_elastic.yaml"
+
+
+def test_there_is_an_aws_and_a_gcp_config_each_also_on_spot():
+    assert {p.stem for p in RAY_UP} == {"aws", "gcp", *SPOT}
+    for path in RAY_UP:
+        assert load(path)["provider"]["type"] == SPOT.get(path.stem, path.stem)
 
 
 @pytest.mark.parametrize("path", RAY_UP, ids=lambda p: p.name)
@@ -78,7 +83,8 @@ def test_cpu_head_and_an_autoscaling_gpu_worker_group(path):
     head, worker = node_types(path)
     assert not has_gpus(head)
     assert has_gpus(worker)
-    assert worker["min_workers"] == 0 < worker["max_workers"]
+    low = 0 if path.stem not in SPOT else worker["min_workers"]
+    assert worker["min_workers"] == low < worker["max_workers"]
     assert load(path)["max_workers"] >= worker["max_workers"]
 
 
@@ -106,8 +112,9 @@ def test_token_auth_on_and_dashboard_on_loopback(path):
 
 
 def kuberay_docs() -> dict[str, dict]:
+    """The fixed-size manifests by kind (the elastic RayJob is checked on its own)."""
     docs = {}
-    for path in sorted(KUBERAY.glob("*.yaml")):
+    for path in sorted(set(KUBERAY.glob("*.yaml")) - {ELASTIC_JOB}):
         for doc in yaml.safe_load_all(path.read_text()):
             docs[doc["kind"]] = doc
     return docs
@@ -182,3 +189,51 @@ def test_no_secrets_no_public_listeners_no_auth_opt_out(path):
     assert "0.0.0.0" not in text
     assert "RAY_AUTH_MODE=disabled" not in text and "mode: disabled" not in text
     assert "LoadBalancer" not in text and "NodePort" not in text and "kind: Ingress" not in text
+
+
+# -- elastic: spot / preemptible workers, min and max ----------------------
+
+
+def elastic_example() -> tuple[int, int]:
+    low, high = load(REPO / "examples" / "elastic_spot.yaml")["scaling"]["num_workers"]
+    return low, high
+
+
+@pytest.mark.parametrize("stem", sorted(SPOT))
+def test_spot_configs_run_the_elastic_example_on_spot_workers(stem):
+    path = CLUSTER / f"{stem}.yaml"
+    head, worker = node_types(path)
+    node = worker["node_config"]
+    if SPOT[stem] == "aws":
+        assert node["InstanceMarketOptions"]["MarketType"] == "spot"
+        assert "InstanceMarketOptions" not in head["node_config"]
+    else:
+        assert node["scheduling"]["provisioningModel"] == "SPOT"
+        assert "scheduling" not in head["node_config"]
+    low, high = elastic_example()
+    assert (8 * worker["min_workers"], 8 * worker["max_workers"]) == (low, high)
+    assert "examples/elastic_spot.yaml" in path.read_text()
+
+
+def test_elastic_rayjob_trains_the_elastic_example_on_spot_pods():
+    (job,) = list(yaml.safe_load_all(ELASTIC_JOB.read_text()))
+    assert job["kind"] == "RayJob" and job["apiVersion"] == "ray.io/v1"
+    spec = job["spec"]
+    test_kuberay_cluster_spec_head_and_gpu_workers(spec["rayClusterSpec"])
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[:3] == ["ray-fsdp", "train", "/opt/ray_fsdp_backend/examples/elastic_spot.yaml"]
+    (gpu,) = spec["rayClusterSpec"]["workerGroupSpecs"]
+    assert (8 * gpu["minReplicas"], 8 * gpu["maxReplicas"]) == elastic_example()
+    assert gpu["template"]["spec"]["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
+    head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert "nodeSelector" not in head  # the Train controller stays on on-demand capacity
+
+
+def test_elastic_example_is_valid_and_its_batch_splits_at_whole_nodes():
+    from ray_fsdp_backend.elastic import elastic_world_sizes
+    from ray_fsdp_backend.example.spec import load_spec
+
+    spec = load_spec(REPO / "examples" / "elastic_spot.yaml")
+    low, high = elastic_example()
+    fits, _ = elastic_world_sizes(spec.train.global_batch_size, low, high)
+    assert set(range(low, high + 1, 8)) <= set(fits)

@@ -115,7 +115,11 @@ def test_package_imports_have_no_cycle():
 
 def test_pure_layers_import_only_the_config():
     graph = import_graph()
-    for pure in ("ray_fsdp_backend.topology", "ray_fsdp_backend.memory"):
+    for pure in (
+        "ray_fsdp_backend.topology",
+        "ray_fsdp_backend.memory",
+        "ray_fsdp_backend.elastic",
+    ):
         assert _reachable(graph, pure) <= {"ray_fsdp_backend.config"}, pure
 
 
