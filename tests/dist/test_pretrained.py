@@ -89,3 +89,33 @@ def test_logits_equal_from_pretrained(pretrained, world):
         torch.testing.assert_close(
             logits, want, atol=1e-5, rtol=1e-5, msg=f"{kind} tied={tied} {name}"
         )
+
+
+def _bytes_read(rank, world, path, name):
+    from tests.counting_fs import CountingFileSystem
+
+    strategy = build_strategy(_config(name), device=torch.device("cpu"), local_rank=rank)
+    model = strategy.wrap(build_causal_lm(path))
+    counting = CountingFileSystem()
+    load_pretrained(model, path, filesystem=counting.filesystem)
+    peers = [None] * world
+    torch.distributed.all_gather_object(peers, counting.bytes_read)
+    return peers, _logits(model)
+
+
+@pytest.mark.parametrize(
+    ("world", "name", "low", "high"), [(4, "full_shard", 0.15, 0.5), (2, "ddp", 1.0, 1.1)]
+)
+def test_each_rank_reads_its_share(pretrained, world, name, low, high):
+    """Bytes through a counting filesystem: about 1/world of the checkpoint
+    per rank when sharded (the whole of it under DDP, which holds it all)."""
+    path = pretrained[("llama", False)]
+    total = sum(
+        os.path.getsize(os.path.join(path, f))
+        for f in os.listdir(path)
+        if f.endswith(".safetensors")
+    )
+    per_rank, logits = run_ranks(_bytes_read, world, path, name)
+    for got in per_rank:
+        assert low * total <= got <= high * total, (name, per_rank, total)
+    torch.testing.assert_close(logits, _reference_logits(path), atol=1e-5, rtol=1e-5)
