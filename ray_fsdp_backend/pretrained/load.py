@@ -10,8 +10,11 @@ rank, only the byte ranges of the slices that rank owns.
 from __future__ import annotations
 
 import os
+import weakref
+from collections import Counter
 
 import pyarrow.fs as pafs
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -32,6 +35,14 @@ from ray_fsdp_backend.pretrained.reader import (
 )
 
 _SHOWN = 5
+# The checkpoint dtype of each model loaded here: the default dtype of an HF export.
+_LOADED_DTYPE: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
+
+
+def pretrained_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the weights ``load_pretrained`` loaded into ``model``
+    (the most common one), or None."""
+    return _LOADED_DTYPE.get(_unwrapped(model))
 
 
 def load_pretrained(
@@ -67,6 +78,9 @@ def load_pretrained(
     load_state = {k: state[k] for k in to_load}
     dcp.load(load_state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(model, load_state, options=StateDictOptions(strict=False))
+    dtypes = Counter(entries[k].dtype for k in to_load)
+    if dtypes:
+        _LOADED_DTYPE[_unwrapped(model)] = dtypes.most_common(1)[0][0]
     return reader
 
 

@@ -119,3 +119,75 @@ def test_each_rank_reads_its_share(pretrained, world, name, low, high):
     for got in per_rank:
         assert low * total <= got <= high * total, (name, per_rank, total)
     torch.testing.assert_close(logits, _reference_logits(path), atol=1e-5, rtol=1e-5)
+
+
+# -- fine-tune, export in HF layout, reload in a fresh process ---------------------------
+
+
+def _finetune_export(rank, world, path, out, name):
+    strategy = build_strategy(_config(name), device=torch.device("cpu"), local_rank=rank)
+    model = strategy.wrap(build_causal_lm(path))
+    load_pretrained(model, path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = input_ids(batch=2 * world)
+    for _ in range(3):
+        opt.zero_grad()
+        model(ids[2 * rank : 2 * rank + 2], labels=ids[2 * rank : 2 * rank + 2]).loss.backward()
+        opt.step()
+    from ray_fsdp_backend.checkpoint import export_model
+
+    export_model(model, os.path.join(out, "fp32"), max_shard_size="20KB", dtype=torch.float32)
+    export_model(model, os.path.join(out, "default"))
+    return _logits(model)
+
+
+_FRESH = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+ids = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(model(ids).logits, sys.argv[3])
+"""
+
+
+def _fresh_logits(path, tmp_path) -> torch.Tensor:
+    """``from_pretrained`` in a new interpreter that never imports this package."""
+    import subprocess
+    import sys
+
+    torch.save(input_ids(), tmp_path / "ids.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run(
+        [sys.executable, "-c", _FRESH, path, str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    return torch.load(tmp_path / "out.pt")
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied", "name"), [("gpt2", True, "full_shard"), ("qwen3_moe", False, "ddp")]
+)
+def test_export_hf_loads_with_from_pretrained(pretrained, tmp_path, kind, tied, name):
+    import json
+
+    path = pretrained[(kind, tied)]
+    out = str(tmp_path / "export")
+    wrapped = run_ranks(_finetune_export, 2, path, out, name)
+    fp32 = os.path.join(out, "fp32")
+    files = sorted(f for f in os.listdir(fp32) if f.endswith(".safetensors"))
+    assert len(files) > 2 and not any(f.startswith(".") for f in os.listdir(fp32))
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(
+        os.listdir(fp32)
+    )
+    got = _fresh_logits(fp32, tmp_path)
+    torch.testing.assert_close(got, wrapped, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, _reference_logits(path), atol=1e-3)  # it did train
+    # Default dtype: the checkpoint's (bf16 for the GPT-2 one), one 5 GB file.
+    with open(os.path.join(out, "default", "config.json")) as f:
+        want = "bfloat16" if kind == "gpt2" else "float32"
+        assert json.load(f)["dtype"] == want
+    with open(os.path.join(out, "default", "model.safetensors.index.json")) as f:
+        assert set(json.load(f)["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
