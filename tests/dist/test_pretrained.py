@@ -191,3 +191,34 @@ def test_export_hf_loads_with_from_pretrained(pretrained, tmp_path, kind, tied, 
         assert json.load(f)["dtype"] == want
     with open(os.path.join(out, "default", "model.safetensors.index.json")) as f:
         assert set(json.load(f)["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+
+
+# -- object storage ---------------------------------------------------------------------
+
+
+def _load_from_s3(rank, world, fs, uri):
+    strategy = build_strategy(_config("full_shard"), device=torch.device("cpu"), local_rank=rank)
+    model = strategy.wrap(build_causal_lm(uri, filesystem=fs))
+    reader = load_pretrained(model, uri, filesystem=fs)
+    peers = [None] * world
+    torch.distributed.all_gather_object(peers, reader.bytes_read)
+    return peers, _logits(model)
+
+
+def test_load_from_s3_api(pretrained, s3_server):
+    """The checkpoint and its config on a real S3 API (moto's server on
+    loopback), read through the ``pyarrow.fs.S3FileSystem`` a Ray run takes."""
+    import pyarrow.fs as pafs
+
+    path = pretrained[("llama", True)]
+    fs = s3_server.filesystem()
+    fs.create_dir("pretrained")
+    pafs.copy_files(path, "pretrained/llama", destination_filesystem=fs)
+    per_rank, logits = run_ranks(_load_from_s3, 2, fs, "s3://pretrained/llama")
+    torch.testing.assert_close(logits, _reference_logits(path), atol=1e-5, rtol=1e-5)
+    weights = sum(
+        os.path.getsize(os.path.join(path, f))
+        for f in os.listdir(path)
+        if f.endswith(".safetensors")
+    )
+    assert all(0.3 * weights < got < 0.75 * weights for got in per_rank), (per_rank, weights)
