@@ -1,81 +1,13 @@
-"""Tiny pretrained Hugging Face checkpoints, built here (hub downloads fail).
-
-``save_tiny_pretrained(kind, path)`` writes a random tiny causal LM of
-``kind`` ("llama", "gpt2", "qwen3_moe") with ``save_pretrained`` split into
-several safetensors files, plus a small tokenizer trained with the
-``tokenizers`` library on the shipped corpus.
-"""
+"""Tiny pretrained Hugging Face checkpoints (built here: hub downloads fail)
+and the batch every comparison runs."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-VOCAB = 96
-CORPUS = os.path.join(
-    os.path.dirname(__file__), "..", "ray_fsdp_backend", "example", "tiny_corpus.txt"
-)
+from ray_fsdp_backend.example.tiny_pretrained import VOCAB, save_tiny_pretrained, tiny_config
 
-
-def tiny_config(kind: str, *, tied: bool = False):
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, tie_word_embeddings=tied)
-    if kind == "llama":
-        return tf.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            **common,
-        )
-    if kind == "gpt2":
-        return tf.GPT2Config(
-            n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=1, **common
-        )
-    if kind == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=64,
-            **common,
-        )
-    raise ValueError(kind)
-
-
-def save_tiny_pretrained(
-    kind: str, path, *, tied: bool = False, dtype=torch.float32, max_shard_size="20KB", seed=0
-) -> str:
-    """Write the checkpoint and tokenizer into ``path``; returns it."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(tiny_config(kind, tied=tied))
-    model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
-    save_tiny_tokenizer(path)
-    return str(path)
-
-
-def save_tiny_tokenizer(path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<eos>"])
-    tok.train([CORPUS], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    fast.save_pretrained(path)
+__all__ = ["VOCAB", "input_ids", "save_tiny_pretrained", "tiny_config"]
 
 
 def input_ids(batch: int = 2, seq: int = 16, seed: int = 3) -> torch.Tensor:

@@ -28,6 +28,11 @@ from torch import nn
 import ray_fsdp_backend as rfb
 from ray_fsdp_backend.example.data import ShardedBatches, load_corpus, split_rows
 from ray_fsdp_backend.example.model import Transformer
+from ray_fsdp_backend.example.pretrained import (
+    PretrainedModelConfig,
+    build_pretrained,
+    tokenize_corpus,
+)
 from ray_fsdp_backend.example.spec import RunSpec, TrainOptions, build_spec
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a
@@ -42,9 +47,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     opts, ctx = spec.train, rfb.get_context()
     torch.manual_seed(opts.seed)
 
-    with torch.device("meta"):
-        model = Transformer(spec.model)
-    model = ctx.wrap(model)  # shards, materialises and calls init_weights()
+    if isinstance(spec.model, PretrainedModelConfig):
+        model = build_pretrained(ctx, spec.model)  # wraps, then loads shard by shard
+    else:
+        with torch.device("meta"):
+            model = Transformer(spec.model)
+        model = ctx.wrap(model)  # shards, materialises and calls init_weights()
     optimizer = build_optimizer(model, spec)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
     batches = build_batches(spec, ctx.dp_rank, ctx.dp_size)
@@ -77,6 +85,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
             "schedule": schedule.state_dict(),
         }
         checkpoints.report(step, model, optimizer, metrics, extra_state)
+    if getattr(spec.model, "export", None):
+        ctx.export_model(model, spec.model.export)  # Hugging Face layout
     return history
 
 
@@ -93,6 +103,7 @@ def train_step(
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.autocast():
             logits = model(inputs)
+            logits = getattr(logits, "logits", logits)  # a transformers model's output
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             loss.backward()
         total += loss.detach()
@@ -140,7 +151,10 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
     opts, seq_len = spec.train, spec.model.seq_len
     if spec.data.source == "ray_data":
         return RayDataBatches(ray.train.get_dataset_shard("train"), opts.micro_batch_size)
-    tokens = load_corpus(spec.data.path)
+    if isinstance(spec.model, PretrainedModelConfig):
+        tokens = tokenize_corpus(spec.model, spec.data.path)
+    else:
+        tokens = load_corpus(spec.data.path)
     return ShardedBatches(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
 
 
