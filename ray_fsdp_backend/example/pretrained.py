@@ -42,10 +42,10 @@ class PretrainedModelConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PretrainedModelConfig:
         known = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(known))
+        unknown = ", ".join(f"model.{k}={v!r}" for k, v in values.items() if k not in known)
         if unknown:
             raise ValueError(
-                f"unknown key(s) {unknown} next to model.pretrained; valid keys: {', '.join(known)}"
+                f"{unknown}: not a key next to model.pretrained; valid keys: {', '.join(known)}"
             )
         if not isinstance(values.get("pretrained"), str) or not values["pretrained"]:
             raise ValueError(f"pretrained={values.get('pretrained')!r} must be a path or URI")

@@ -37,7 +37,7 @@ def test_example_yaml_builds_a_pretrained_model_section():
     ("model", "data", "words"),
     [
         ({"pretrained": 3}, {}, "pretrained=3 must be a path or URI"),
-        ({"pretrained": "/x", "dim": 64}, {}, "unknown key(s) ['dim'] next to model.pretrained"),
+        ({"pretrained": "/x", "dim": 64}, {}, "model.dim=64: not a key next to model.pretrained"),
         ({"pretrained": "/x", "seq_len": 1}, {}, "seq_len=1 must be an int >= 2"),
         ({"pretrained": "/x"}, {"source": "ray_data", "path": "/d"}, "data.source='corpus'"),
     ],
