@@ -52,7 +52,7 @@ SETTINGS = {
         "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
         "dmuon": dict(sizes=(64, 128, 256), ranks=(1, 2), steps=5),
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
-        "pretrained": dict(worlds=(1, 2, 4), dim=768, layers=8, vocab=32000, reps=3),
+        "pretrained": dict(worlds=(1, 2, 4), dim=512, layers=8, vocab=32000, reps=2),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
