@@ -95,8 +95,7 @@ def check_fits(
 
     Every parameter (``params``: name -> identity, so tied weights share one)
     must be in the checkpoint under one of its names, buffers may be absent;
-    every checkpoint
-    tensor must be a model key of the same shape.
+    every checkpoint tensor must be a model key of the same shape.
 
     Raises:
         PretrainedCheckpointError: naming the first keys of each kind, their
