@@ -158,3 +158,15 @@ def test_fuse_experts_plans_stacked_tensors():
         for k, v in mixtral.items()
     }
     assert set(fuse_experts(mixtral, model)) == set(model)
+
+
+def test_core_never_imports_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ray_fsdp_backend as r, ray_fsdp_backend.cli, ray_fsdp_backend.example.train\n"
+        "r.load_pretrained, r.get_context\n"
+        "assert 'transformers' not in sys.modules, 'transformers imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
