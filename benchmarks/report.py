@@ -185,7 +185,7 @@ def _pretrained(r: dict) -> list[str]:
         for row in r["rows"]
     ]
     header = ["ranks", "ours: peak MiB added/rank", "from_pretrained + wrap: MiB/rank",
-              "memory ×", "ours s", "from_pretrained + wrap s", "time ×"]  # fmt: skip
+              "memory ×", "ours s", "from_pretrained + wrap s", "time × (of medians)"]  # fmt: skip
     return [
         f"#### 7. Loading a pretrained checkpoint ({r['params'] / 1e6:.0f}M parameters, "
         f"{_mib(r['checkpoint_bytes'])} MiB bf16 safetensors, trained in fp32: "
