@@ -194,6 +194,30 @@ def _compile(r: dict) -> list[str]:
     ]
 
 
+def _pretrained(r: dict) -> list[str]:
+    rows = [
+        [
+            row["world_size"],
+            _mib(row["ours"]["peak_bytes_per_rank"]),
+            _mib(row["full"]["peak_bytes_per_rank"]),
+            f"{row['ours']['peak_bytes_per_rank'] / row['full']['peak_bytes_per_rank']:.2f}",
+            f"{row['ours']['load_s']:.2f}",
+            f"{row['full']['load_s']:.2f}",
+            f"{row['ours']['load_s'] / row['full']['load_s']:.2f}",
+        ]
+        for row in r["rows"]
+    ]
+    header = ["ranks", "ours: peak MiB added/rank", "from_pretrained + wrap: MiB/rank",
+              "memory ×", "ours s", "from_pretrained + wrap s", "time × (of medians)"]  # fmt: skip
+    return [
+        f"#### 8. Loading a pretrained checkpoint ({r['params'] / 1e6:.0f}M parameters, "
+        f"{_mib(r['checkpoint_bytes'])} MiB bf16 safetensors, trained in fp32: "
+        f"{_mib(r['fp32_bytes'])} MiB), FSDP2 full_shard",
+        "",
+        *_table(header, rows),
+    ]
+
+
 SECTIONS = {
     "step_time": lambda r: _step_time(r) + _memory(r),
     "clipping": _clipping,
@@ -201,6 +225,7 @@ SECTIONS = {
     "dmuon": _dmuon,
     "scaling": _scaling,
     "compile": _compile,
+    "pretrained": _pretrained,
 }
 
 

@@ -10,6 +10,8 @@ medians and the median ratio):
 5. the DMuon optimizer step vs ``torch.optim.Muon`` (``dmuon_bench``);
 6. step time and memory as width and depth double (``scaling``);
 7. step time with ``compile: true`` vs eager (``compile_bench``);
+8. loading a pretrained HF checkpoint: ours sharded vs ``from_pretrained``
+   on every rank, peak host memory and time (``pretrained``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
@@ -33,10 +35,19 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import clipping, compile_bench, dmuon_bench, report, scaling, startup, step_time
+from benchmarks import (
+    clipping,
+    compile_bench,
+    dmuon_bench,
+    pretrained,
+    report,
+    scaling,
+    startup,
+    step_time,
+)
 from tests.dist.harness import run_ranks
 
-COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling", "compile")
+COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling", "compile", "pretrained")
 
 TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
 SMALL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, seq_len=64)
@@ -52,6 +63,7 @@ SETTINGS = {
         "dmuon": dict(sizes=(64, 128, 256, 512), ranks=(1, 2, 4), steps=3),
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
         "compile": dict(world=2, model=SMALL, batch=4, accum=1, reps=7, steps=3),
+        "pretrained": dict(worlds=(1, 2, 4), dim=512, layers=8, vocab=32000, reps=2),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
@@ -60,6 +72,7 @@ SETTINGS = {
         "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
         "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
+        "pretrained": dict(worlds=(1, 2), dim=64, layers=2, vocab=512, reps=1),
     },
 }
 
@@ -107,6 +120,10 @@ def run_compile(world, **kwargs) -> dict:
     return run_ranks(_on_rank, world, compile_bench.on_rank, kwargs)
 
 
+def run_pretrained(**kwargs) -> dict:
+    return pretrained.run(run_ranks, **kwargs)
+
+
 RUNNERS = {
     "step_time": run_step_time,
     "clipping": run_clipping,
@@ -114,6 +131,7 @@ RUNNERS = {
     "dmuon": run_dmuon,
     "scaling": run_scaling,
     "compile": run_compile,
+    "pretrained": run_pretrained,
 }
 
 

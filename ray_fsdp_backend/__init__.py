@@ -22,6 +22,8 @@ _EXPORTS = {
     "ShardingStrategy": "ray_fsdp_backend.config",
     "TrainContext": "ray_fsdp_backend.context",
     "get_context": "ray_fsdp_backend.context",
+    "load_pretrained": "ray_fsdp_backend.pretrained",
+    "PretrainedCheckpointError": "ray_fsdp_backend.pretrained",
     "DDPStrategy": "ray_fsdp_backend.strategies",
     "DistributionStrategy": "ray_fsdp_backend.strategies",
     "FSDPStrategy": "ray_fsdp_backend.strategies",
@@ -35,10 +37,12 @@ __all__ = [
     "FSDPConfig",
     "FSDPSettings",
     "FSDPStrategy",
+    "PretrainedCheckpointError",
     "ShardingStrategy",
     "TrainContext",
     "build_strategy",
     "get_context",
+    "load_pretrained",
 ]
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.config import FSDPSettings, ShardingStrategy
     from ray_fsdp_backend.context import TrainContext, get_context
+    from ray_fsdp_backend.pretrained import PretrainedCheckpointError, load_pretrained
     from ray_fsdp_backend.strategies import (
         DDPStrategy,
         DistributionStrategy,

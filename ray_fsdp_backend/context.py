@@ -143,13 +143,31 @@ class TrainContext:
 
         return restore_checkpoint(model, optimizer, checkpoint=checkpoint)
 
-    def export_model(self, model: nn.Module, path: str) -> str:
-        """Write the full, unsharded weights once (rank 0) as a safetensors file
-        that loads into the plain model without this package. Every rank calls
-        it; returns ``path``."""
+    def export_model(
+        self,
+        model: nn.Module,
+        path: str,
+        format: str = "hf",
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+    ) -> str:
+        """Write the full weights: by default a Hugging Face directory (sharded
+        safetensors, index, ``config.json``) that ``from_pretrained`` loads, each
+        rank writing what it owns; a path ending in ``.safetensors`` (or
+        ``format="safetensors"``) gives one file from rank 0. Every rank calls
+        it; returns ``path``. See :func:`ray_fsdp_backend.checkpoint.export_model`."""
         from ray_fsdp_backend.checkpoint import export_model
 
-        return export_model(model, path)
+        return export_model(model, path, format=format, max_shard_size=max_shard_size, dtype=dtype)
+
+    def load_pretrained(self, model: nn.Module, path: str, *, filesystem=None, key_map=None):
+        """Load Hugging Face safetensors weights (a directory, a file, a URI or a
+        path on ``filesystem``) into the wrapped ``model``, each rank reading
+        only the byte ranges it owns. Call after ``wrap``, before building the
+        optimizer. See :func:`ray_fsdp_backend.pretrained.load_pretrained`."""
+        from ray_fsdp_backend.pretrained import load_pretrained
+
+        return load_pretrained(model, path, filesystem=filesystem, key_map=key_map)
 
 
 def get_context() -> TrainContext:

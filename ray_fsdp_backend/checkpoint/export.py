@@ -1,4 +1,5 @@
-"""Export a model's full, unsharded weights as one safetensors file."""
+"""Export a model's full weights: Hugging Face layout (:mod:`.hf_export`) or
+one safetensors file."""
 
 from __future__ import annotations
 
@@ -11,7 +12,44 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 
-def export_model(model: nn.Module, path: str | os.PathLike) -> str:
+def export_model(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    format: str = "hf",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> str:
+    """Write the full weights of ``model`` (FSDP2, HSDP, DDP or plain) to ``path``.
+
+    ``format="hf"``: directory ``path`` in Hugging Face layout, sharded
+    safetensors of at most ``max_shard_size``, their index and, for a
+    ``transformers`` model, ``config.json`` and ``generation_config.json``:
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads it. Each rank writes
+    what it owns; no rank gathers the model. ``dtype`` defaults to the dtype
+    of the weights ``load_pretrained`` read, else the parameters' dtype.
+    ``format="safetensors"`` (also chosen by a ``path`` ending in
+    ``.safetensors``): one file, see :func:`export_single_file`. Collective:
+    every rank calls it; returns ``path`` once complete.
+
+    Raises:
+        ValueError: an unknown ``format`` or a bad ``max_shard_size``.
+    """
+    path = os.fspath(path)
+    if format not in ("hf", "safetensors"):
+        raise ValueError(f"export_model format={format!r} is not one of hf, safetensors")
+    if format == "hf" and not path.endswith(".safetensors"):
+        from ray_fsdp_backend.checkpoint.hf_export import export_hf
+        from ray_fsdp_backend.pretrained.load import pretrained_dtype
+
+        dtype = dtype or pretrained_dtype(model) or next(model.parameters()).dtype
+        return export_hf(model, path, max_shard_size=max_shard_size, dtype=dtype)
+    return export_single_file(model, path, dtype=dtype)
+
+
+def export_single_file(
+    model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> str:
     """Gather the full state dict of ``model`` (FSDP2, HSDP, DDP or plain) and
     write it once, from rank 0, as a safetensors file at ``path``.
 
@@ -24,6 +62,8 @@ def export_model(model: nn.Module, path: str | os.PathLike) -> str:
     path = os.fspath(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
+    if dtype is not None:
+        state = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_safetensors(state, path)
     if dist.is_initialized():

@@ -30,6 +30,7 @@ import yaml
 from ray_fsdp_backend.backend import FSDPConfig
 from ray_fsdp_backend.elastic import elastic_world_sizes, worker_range
 from ray_fsdp_backend.example.model import ModelConfig
+from ray_fsdp_backend.example.pretrained import PretrainedModelConfig, build_model_section
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")
@@ -138,7 +139,7 @@ class RunSpec:
     """A checked training config, one typed object per section."""
 
     distributed: FSDPConfig
-    model: ModelConfig
+    model: ModelConfig | PretrainedModelConfig
     train: TrainOptions
     data: DataOptions
     scaling: ScalingOptions
@@ -269,7 +270,7 @@ def _section_errors(
                 del remaining[key]
 
 
-_EXTRA_KEYS = {"model": {"preset"}}
+_EXTRA_KEYS = {"model": {"preset", "pretrained", "export"}}
 
 
 def _names_key(message: str, key: str) -> bool:
@@ -339,7 +340,7 @@ def _options_builder(cls: type) -> Callable[[Mapping[str, Any]], Any]:
 
 _BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
     "distributed": (FSDPConfig, FSDPConfig.from_dict),
-    "model": (ModelConfig, ModelConfig.from_dict),
+    "model": (ModelConfig, build_model_section),
     "train": (TrainOptions, _options_builder(TrainOptions)),
     "data": (DataOptions, _options_builder(DataOptions)),
     "scaling": (ScalingOptions, _options_builder(ScalingOptions)),
@@ -360,8 +361,10 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
             "so use optimizer muon with use_dmuon true, or adamw with use_dmuon false"
         )
     errors += _batch_errors(train, built.get("scaling"))
-    if model is not None and model.vocab_size != 256:
+    if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
+    if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
+        errors.append("model.pretrained trains on data.source='corpus' (its tokenizer's ids)")
     if data is not None and data.source == "ray_data" and data.path is None:
         errors.append("data.source='ray_data' needs data.path (files or a directory of text)")
     if data is not None and data.source == "corpus" and data.path is not None:

@@ -31,6 +31,11 @@ import ray_fsdp_backend as rfb
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.example.data import RayDataBatches, ShardedBatches, load_corpus
 from ray_fsdp_backend.example.model import Transformer
+from ray_fsdp_backend.example.pretrained import (
+    PretrainedModelConfig,
+    build_pretrained,
+    tokenize_corpus,
+)
 from ray_fsdp_backend.example.spec import RunSpec, TrainOptions, build_spec
 from ray_fsdp_backend.meter import TensorBoardWriter, show_ray_report_lines
 from ray_fsdp_backend.metrics import format_progress
@@ -49,9 +54,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     show_ray_report_lines(spec.logging.verbose)
     torch.manual_seed(opts.seed)
 
-    with torch.device("meta"):
-        model = Transformer(spec.model)
-    model = ctx.wrap(model)  # shards, materialises and calls init_weights()
+    if isinstance(spec.model, PretrainedModelConfig):
+        model = build_pretrained(ctx, spec.model)  # wraps, then loads shard by shard
+    else:
+        with torch.device("meta"):
+            model = Transformer(spec.model)
+        model = ctx.wrap(model)  # shards, materialises and calls init_weights()
     optimizer = build_optimizer(model, spec)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
     batches = build_batches(spec, ctx.dp_rank, ctx.dp_size)
@@ -99,6 +107,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
         checkpoints.report(step, model, optimizer, metrics, extra_state)
     if board is not None:
         board.close()
+    if getattr(spec.model, "export", None):
+        ctx.export_model(model, spec.model.export)  # Hugging Face layout
     return history
 
 
@@ -134,6 +144,7 @@ def train_step(
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.autocast():
             logits = model(inputs)
+            logits = getattr(logits, "logits", logits)  # a transformers model's output
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             loss.backward()
         total += loss.detach()
@@ -182,7 +193,10 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
     if spec.data.source == "ray_data":
         shard = ray.train.get_dataset_shard("train")
         return RayDataBatches(shard, opts.micro_batch_size, dp_size)
-    tokens = load_corpus(spec.data.path)
+    if isinstance(spec.model, PretrainedModelConfig):
+        tokens = tokenize_corpus(spec.model, spec.data.path)
+    else:
+        tokens = load_corpus(spec.data.path)
     return ShardedBatches(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
 
 

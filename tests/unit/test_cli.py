@@ -16,7 +16,15 @@ from ray_fsdp_backend.topology import compute_mesh_layout, compute_topology_from
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(EXAMPLES.glob("*.yaml"))
-NAMES = ["cpu_tiny", "fsdp_1node_8gpu", "hsdp_multinode", "dmuon", "ddp", "elastic_spot"]
+NAMES = [
+    "cpu_tiny",
+    "fsdp_1node_8gpu",
+    "hsdp_multinode",
+    "dmuon",
+    "ddp",
+    "elastic_spot",
+    "finetune_hf",
+]
 
 
 def run(capsys, *argv):

@@ -1,0 +1,137 @@
+"""``model: pretrained: <dir or URI>``: fine-tune a Hugging Face causal LM.
+
+The ``model:`` section of a training YAML either describes the example
+Transformer (:class:`~ray_fsdp_backend.example.model.ModelConfig`) or names a
+pretrained checkpoint directory::
+
+    model:
+      pretrained: /data/llama-3-8b      # or s3://bucket/llama-3-8b
+      seq_len: 512                       # tokens per training row
+      export: /mnt/shared/llama-ft       # HF-layout export after the last step
+
+The worker builds the model from its ``config.json`` on the meta device,
+wraps it, loads the weights shard by shard
+(:func:`~ray_fsdp_backend.pretrained.load_pretrained`) and tokenizes the
+corpus with the tokenizer saved beside the weights. ``ray-fsdp plan`` counts
+parameters on a meta-device model built from ``config.json``: no weights read.
+``transformers`` is imported on use only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class PretrainedModelConfig:
+    """The ``model:`` section for a pretrained Hugging Face causal LM."""
+
+    pretrained: str
+    """Checkpoint directory (``config.json``, tokenizer, safetensors) or its URI."""
+    seq_len: int = 128
+    """Tokens per training row."""
+    export: str | None = None
+    """Directory the fine-tuned model is exported to in Hugging Face layout after
+    the last step (a path every worker sees); None: no export."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PretrainedModelConfig:
+        known = [f.name for f in fields(cls)]
+        unknown = ", ".join(f"model.{k}={v!r}" for k, v in values.items() if k not in known)
+        if unknown:
+            raise ValueError(
+                f"{unknown}: not a key next to model.pretrained; valid keys: {', '.join(known)}"
+            )
+        if not isinstance(values.get("pretrained"), str) or not values["pretrained"]:
+            raise ValueError(f"pretrained={values.get('pretrained')!r} must be a path or URI")
+        seq_len = values.get("seq_len", 128)
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+            raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
+        if values.get("export") is not None and not isinstance(values["export"], str):
+            raise ValueError(f"export={values['export']!r} must be a path or null")
+        return cls(**values)
+
+    # -- the sizes `ray-fsdp plan` reports (ModelConfig's interface) ----------
+
+    @property
+    def n_layers(self) -> int:
+        return _sizes(self.pretrained)["n_layers"]
+
+    def num_params(self) -> int:
+        return _sizes(self.pretrained)["num_params"]
+
+    def block_params(self) -> int:
+        return _sizes(self.pretrained)["block_params"]
+
+    def embedding_params(self) -> int:
+        return _sizes(self.pretrained)["embedding_params"]
+
+    def matrix_params(self) -> int:
+        return _sizes(self.pretrained)["matrix_params"]
+
+
+def build_model_section(values: dict[str, Any]):
+    """The ``model:`` section: a pretrained checkpoint, or the example model."""
+    from ray_fsdp_backend.example.model import ModelConfig
+
+    if "pretrained" in (values or {}):
+        return PretrainedModelConfig.from_dict(dict(values))
+    return ModelConfig.from_dict(values)
+
+
+@functools.lru_cache(maxsize=8)
+def _sizes(path: str) -> dict[str, int]:
+    """Parameter counts of the model ``config.json`` describes, from a meta
+    model (nothing allocated, no weights read)."""
+    from ray_fsdp_backend.pretrained.hf import build_causal_lm
+
+    model = build_causal_lm(path)
+    blocks = _layer_lists(model)
+    block = max((_count(b) for b in blocks), default=0)
+    in_blocks = sum(_count(b) for b in blocks)
+    matrices = sum(p.numel() for b in blocks for p in b.parameters() if p.ndim >= 2)
+    total = _count(model)
+    return dict(
+        n_layers=len(blocks),
+        num_params=total,
+        block_params=block,
+        embedding_params=total - in_blocks,
+        matrix_params=matrices,
+    )
+
+
+def _layer_lists(model: nn.Module) -> list[nn.Module]:
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())  # a tied weight counts once
+
+
+# -- on the worker --------------------------------------------------------------
+
+
+def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
+    """The pretrained model, wrapped by ``ctx`` and loaded shard by shard."""
+    from ray_fsdp_backend.pretrained.hf import build_causal_lm
+
+    model = ctx.wrap(build_causal_lm(cfg.pretrained))
+    ctx.load_pretrained(model, cfg.pretrained)
+    return model
+
+
+def tokenize_corpus(cfg: PretrainedModelConfig, path: str | None) -> torch.Tensor:
+    """The corpus (``data.path``, or the shipped one) as the checkpoint
+    tokenizer's ids, one long int64 tensor."""
+    from ray_fsdp_backend.example.data import load_corpus
+    from ray_fsdp_backend.pretrained.hf import load_tokenizer
+
+    text = load_corpus(path).to(torch.uint8).numpy().tobytes().decode("utf-8", errors="replace")
+    tokenizer = load_tokenizer(cfg.pretrained)
+    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)

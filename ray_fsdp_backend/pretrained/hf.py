@@ -1,0 +1,72 @@
+"""``transformers`` helpers for pretrained causal LMs (the ``hf`` extra).
+
+``transformers`` is imported inside each function, never at module import:
+the core package works without it.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import tempfile
+
+import pyarrow.fs as pafs
+import torch
+from torch import nn
+
+from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
+from ray_fsdp_backend.pretrained.reader import list_checkpoint_files, read_file_header
+
+_METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+
+
+def metadata_dir(path: str | os.PathLike, filesystem: pafs.FileSystem | None = None) -> str:
+    """A local directory with the checkpoint's small files (``config.json``,
+    tokenizer files): ``path`` itself when local, else a temporary copy of
+    those files only (never the weights)."""
+    fs, root = resolve_filesystem(path, filesystem)
+    if is_local(fs):
+        return root
+    local = tempfile.mkdtemp(prefix="rfb-pretrained-")
+    for info in fs.get_file_info(pafs.FileSelector(root)):
+        if info.type == pafs.FileType.File and info.path.endswith(_METADATA_SUFFIXES):
+            with fs.open_input_stream(info.path) as src:
+                with open(os.path.join(local, posixpath.basename(info.path)), "wb") as dst:
+                    dst.write(src.read())
+    return local
+
+
+def build_causal_lm(
+    path: str | os.PathLike,
+    *,
+    filesystem: pafs.FileSystem | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """The checkpoint's causal LM (``AutoConfig`` + ``from_config``) built on
+    the meta device in ``dtype``: no memory until a strategy wraps it; then
+    :func:`~ray_fsdp_backend.pretrained.load_pretrained` fills it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(metadata_dir(path, filesystem))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def load_tokenizer(path: str | os.PathLike, filesystem: pafs.FileSystem | None = None):
+    """The tokenizer saved beside the checkpoint."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(metadata_dir(path, filesystem))
+
+
+def count_checkpoint_parameters(
+    path: str | os.PathLike, filesystem: pafs.FileSystem | None = None
+) -> int:
+    """Number of weights in the checkpoint, from the safetensors headers
+    alone (a few KB read per file, no weights)."""
+    fs, root = resolve_filesystem(path, filesystem)
+    total = 0
+    for file in list_checkpoint_files(fs, root):
+        for entry in read_file_header(fs, file):
+            total += (entry.end - entry.begin) // entry.dtype.itemsize
+    return total

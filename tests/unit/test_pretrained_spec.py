@@ -1,0 +1,59 @@
+"""``model: pretrained:`` in the training YAML, and ``ray-fsdp plan`` on a
+pretrained config: counts from ``config.json`` alone, no weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.example.pretrained import PretrainedModelConfig
+from ray_fsdp_backend.example.spec import build_spec, check_spec, load_yaml
+
+pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "finetune_hf.yaml"
+
+
+def _llama_8b_config(path) -> str:
+    """Llama-3-8B's published shape, ``config.json`` only."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+    ).save_pretrained(path)  # fmt: skip
+    return str(path)
+
+
+def test_example_yaml_builds_a_pretrained_model_section():
+    spec = build_spec(load_yaml(EXAMPLE))
+    assert isinstance(spec.model, PretrainedModelConfig)
+    assert spec.model.pretrained == "/tmp/rfb-tiny-llama" and spec.model.seq_len == 64
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "words"),
+    [
+        ({"pretrained": 3}, {}, "pretrained=3 must be a path or URI"),
+        ({"pretrained": "/x", "dim": 64}, {}, "model.dim=64: not a key next to model.pretrained"),
+        ({"pretrained": "/x", "seq_len": 1}, {}, "seq_len=1 must be an int >= 2"),
+        ({"pretrained": "/x"}, {"source": "ray_data", "path": "/d"}, "data.source='corpus'"),
+    ],
+)
+def test_bad_pretrained_sections_are_named(model, data, words):
+    doc = {"distributed": {"use_fsdp": True}, "model": model, "data": data}
+    assert any(words in e for e in check_spec(doc)), check_spec(doc)
+
+
+def test_plan_counts_parameters_from_config_json(tmp_path, capsys):
+    path = _llama_8b_config(tmp_path / "llama-3-8b")
+    rc = main(
+        ["plan", str(EXAMPLE), "--nodes", "1", "--gpus-per-node", "8",
+         "--set", f"model.pretrained={path}", "--set", "distributed.use_mixed_precision=true"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    # Llama-3-8B: 8,030,261,248 parameters in 32 blocks of 218,112,000.
+    assert "8,030.3M parameters (32 blocks of 218.11M)" in out, out
