@@ -1,24 +1,30 @@
 """Where a run's checkpoints live: a ``pyarrow.fs`` filesystem and a directory.
 
 Ray Train describes storage this way (``RunConfig(storage_path=...)``: a local
-or shared path, or a cloud URI). On a local (or NFS-mounted) filesystem ranks
-write and read their shards in place; on any other filesystem they stage them
-in a local temporary directory and copy it, as Ray's own upload does.
+or shared path, or a cloud URI). Every rank reads and writes its own files
+straight on that filesystem, with no local copy of the checkpoint:
+
+- on a local (or NFS-mounted) filesystem through DCP's ``FileSystemWriter`` /
+  ``FileSystemReader`` (files fsynced);
+- on any other (object storage) through DCP's fsspec writer and reader over
+  :func:`ray_fsdp_backend.filesystem.to_fsspec` of the run's filesystem, so the
+  credentials and endpoint are exactly the ones the user gave Ray. Reads are
+  ranged: :class:`RangedReader` fetches each stored item's byte range once
+  (one request per item, nothing around it), so a restore reads about the
+  checkpoint's size over all ranks, not world-size times it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import io
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from ray_fsdp_backend.checkpoint.layout import MARKER_NAME, parse_seq
+from ray_fsdp_backend.filesystem import to_fsspec
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,10 @@ class CheckpointStore:
         """Whether ranks can write and read checkpoint files at their paths."""
         return isinstance(self.fs, pafs.LocalFileSystem)
 
+    def describe(self) -> str:
+        """The store for messages: filesystem kind and path (never credentials)."""
+        return f"{self.fs.type_name}://{self.root.lstrip('/')}"
+
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
@@ -54,8 +64,7 @@ class CheckpointStore:
     def read_marker(self, name: str) -> str | None:
         """The text of a checkpoint's ``COMPLETE`` marker; None when it has none."""
         try:
-            with self.fs.open_input_stream(f"{self.path(name)}/{MARKER_NAME}") as f:
-                return f.read().decode()
+            return self.read_file(f"{name}/{MARKER_NAME}").decode()
         except (FileNotFoundError, OSError):
             return None
 
@@ -63,64 +72,98 @@ class CheckpointStore:
         """Every checkpoint directory's marker text (None: no marker)."""
         return {name: self.read_marker(name) for name in self.list_checkpoints()}
 
+    def read_text(self, relative: str) -> str | None:
+        """A small file under ``root`` as text; None when it does not exist."""
+        try:
+            return self.read_file(relative).decode()
+        except (FileNotFoundError, OSError):
+            return None
+
     def write_marker(self, name: str, text: str) -> None:
         """Write the marker so that it appears whole or not at all (a
         temporary file moved into place; on object stores a single put)."""
-        final = f"{self.path(name)}/{MARKER_NAME}"
+        self.write_file(f"{name}/{MARKER_NAME}", text.encode())
+
+    def write_file(self, relative: str, data: bytes) -> None:
+        """Write ``data`` at ``root/relative``, durably and whole: locally a
+        fsynced temporary file renamed into place, on object storage one put."""
+        final = f"{self.root}/{relative}"
         if not self.in_place:
+            self.fs.create_dir(final.rsplit("/", 1)[0])  # hierarchical filesystems need it
             with self.fs.open_output_stream(final) as f:
-                f.write(text.encode())
+                f.write(data)
             return
+        os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+
+    def read_file(self, relative: str) -> bytes:
+        """The bytes at ``root/relative`` (FileNotFoundError when absent)."""
+        with self.fs.open_input_stream(f"{self.root}/{relative}") as f:
+            return f.read()
+
+    def exists(self, relative: str) -> bool:
+        info = self.fs.get_file_info(f"{self.root}/{relative}")
+        return info.type != pafs.FileType.NotFound
 
     def delete(self, name: str) -> None:
         self.fs.delete_dir(self.path(name))
 
 
-@contextlib.contextmanager
-def writable_dir(store: CheckpointStore, name: str) -> Iterator[str]:
-    """A local directory for this rank's files of checkpoint ``name``: the
-    checkpoint directory itself when the store is local, else a staging
-    directory copied into the store when the block ends without error."""
+def dcp_writer(store: CheckpointStore, name: str):
+    """A DCP storage writer that puts this rank's files straight into
+    checkpoint ``name`` of ``store``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
     if store.in_place:
         os.makedirs(store.path(name), exist_ok=True)
-        yield store.path(name)
-        return
-    staging = tempfile.mkdtemp(prefix=f"rfb_{name}_")
-    try:
-        yield staging
-        store.fs.create_dir(store.path(name))
-        pafs.copy_files(
-            staging,
-            store.path(name),
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=store.fs,
-        )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return FileSystemWriter(store.path(name))
+    # fsync does not exist on object storage; a closed upload is durable.
+    writer = FsspecWriter(store.path(name), sync_files=False)
+    writer.fs = _fsspec_view(store)
+    return writer
 
 
-@contextlib.contextmanager
-def readable_dir(store: CheckpointStore, name: str) -> Iterator[str]:
-    """A local directory holding checkpoint ``name``: in place when the store
-    is local, else a temporary download of it (every shard: resharding may
-    need any of them)."""
+def dcp_reader(store: CheckpointStore, name: str):
+    """A DCP storage reader of checkpoint ``name`` that reads only the byte
+    ranges this rank loads (and the small ``.metadata``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     if store.in_place:
-        yield store.path(name)
-        return
-    local = tempfile.mkdtemp(prefix=f"rfb_{name}_")
-    try:
-        pafs.copy_files(
-            store.path(name),
-            local,
-            source_filesystem=store.fs,
-            destination_filesystem=pafs.LocalFileSystem(),
-        )
-        yield local
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
+        return FileSystemReader(store.path(name))
+    reader = _ranged_reader_class()(store.path(name))
+    reader.fs = _fsspec_view(store)
+    return reader
+
+
+def _fsspec_view(store: CheckpointStore):
+    """DCP's fsspec ``FileSystem`` adapter bound to the store's filesystem
+    (instead of one built from a URL, which would need s3fs and its own
+    credentials)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    view = FileSystem()
+    view.fs = to_fsspec(store.fs)
+    return view
+
+
+def _ranged_reader_class():
+    """``FsspecReader`` whose item views are one exact ranged read each.
+
+    DCP's reader hands ``torch.load`` a view over the open file; every small
+    read in it would be a request (and fsspec caches may read ahead into
+    other ranks' bytes). Reading the item's ``length`` bytes at its
+    ``offset`` once is one ranged GET of exactly the bytes needed."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class RangedReader(FsspecReader):
+        def _slice_file(self, file, sinfo):
+            file.seek(sinfo.offset)
+            return io.BytesIO(file.read(sinfo.length))
+
+    return RangedReader
