@@ -9,6 +9,8 @@ medians and the median ratio):
 4. start-up, ``FSDPConfig`` vs Ray's ``TorchConfig`` + hand-written FSDP2 (``startup``);
 5. the DMuon optimizer step vs ``torch.optim.Muon`` (``dmuon_bench``);
 6. step time and memory as width and depth double (``scaling``);
+7. checkpoint save/restore on local disk and S3 (moto), bytes read per
+   restore, training stall per checkpoint sync vs async (``checkpoint_io``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
@@ -32,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import clipping, dmuon_bench, report, scaling, startup, step_time
+from benchmarks import checkpoint_io, clipping, dmuon_bench, report, scaling, startup, step_time
 from tests.dist.harness import run_ranks
 
-COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling")
+COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling", "checkpoint_io")
 
 TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
 SMALL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, seq_len=64)
@@ -50,6 +52,7 @@ SETTINGS = {
         "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
         "dmuon": dict(sizes=(64, 128, 256), ranks=(1, 2), steps=5),
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
+        "checkpoint_io": dict(worlds=(2, 4), model=SMALL, reps=3, steps=10),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
@@ -57,6 +60,7 @@ SETTINGS = {
         "startup": dict(model=TINY, batch=2, workers=2, reps=1, warmup=False),
         "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
+        "checkpoint_io": dict(worlds=(2,), model=TINY, reps=1, steps=2),
     },
 }
 
@@ -106,6 +110,7 @@ RUNNERS = {
     "startup": run_startup,
     "dmuon": run_dmuon,
     "scaling": run_scaling,
+    "checkpoint_io": checkpoint_io.run,
 }
 
 
