@@ -48,6 +48,7 @@ from ray_fsdp_backend.checkpoint.sharded import (
     PendingSave,
     broadcast_from_rank0,
     load_sharded,
+    naming_store,
     save_sharded,
     start_async_save,
 )
@@ -159,8 +160,10 @@ def restore_checkpoint(
     store = run_store()
 
     def choose():
+        with naming_store(store, "(newest complete)", "listing"):
+            markers = store.read_markers()
         handed_marker = None if handed is None else _marker_of(handed)
-        return choose_resume(store.read_markers(), handed_marker, handed is not None)
+        return choose_resume(markers, handed_marker, handed is not None)
 
     choice = broadcast_from_rank0(choose)
     if choice is None:

@@ -16,11 +16,12 @@ every rank's files are durable.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -62,11 +63,19 @@ class CheckpointStorageError(RuntimeError):
     the store and the checkpoint, never credentials)."""
 
 
-def _storage_error(store: CheckpointStore, name: str, action: str, exc: BaseException):
-    return CheckpointStorageError(
-        f"{action} checkpoint {name} on store {store.describe()} failed: "
-        f"{type(exc).__name__}: {exc}"
-    )
+@contextlib.contextmanager
+def naming_store(store: CheckpointStore, name: str, action: str) -> Iterator[None]:
+    """Re-raise a failure of the block as ``CheckpointStorageError`` naming
+    the store and the checkpoint (``action``: reading, writing, ...)."""
+    try:
+        yield
+    except (CheckpointStorageError, CheckpointMismatchError):
+        raise
+    except _IO_ERRORS as exc:
+        raise CheckpointStorageError(
+            f"{action} checkpoint {name} on store {store.describe()} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def save_sharded(
@@ -92,10 +101,8 @@ def save_sharded(
         CheckpointStorageError: the store failed; the message names it.
     """
     name = _begin_save(store, extra_state)
-    try:
+    with naming_store(store, name, "writing"):
         dcp.save(_state_to_save(model, optimizer), storage_writer=dcp_writer(store, name))
-    except _IO_ERRORS as exc:
-        raise _storage_error(store, name, "writing", exc) from exc
     dist.barrier()
     if dist.get_rank() == 0:
         _commit(store, name, extra_state, strategy, on_commit)
@@ -106,11 +113,10 @@ def save_sharded(
 def _begin_save(store: CheckpointStore, extra_state: Mapping[str, Any] | None) -> str:
     """Agree on the new checkpoint's name and write this rank's extra state."""
     payload = encode_extra_state(extra_state)
-    name = broadcast_from_rank0(lambda: next_checkpoint_name(store.list_checkpoints()))
-    try:
+    with naming_store(store, "(new)", "naming"):
+        name = broadcast_from_rank0(lambda: next_checkpoint_name(store.list_checkpoints()))
+    with naming_store(store, name, "writing"):
         store.write_file(f"{name}/{extra_state_name(dist.get_rank())}", payload)
-    except _IO_ERRORS as exc:
-        raise _storage_error(store, name, "writing", exc) from exc
     return name
 
 
@@ -122,12 +128,10 @@ def _commit(store, name, extra_state, strategy, on_commit) -> None:
         strategy=strategy,
         step=step if isinstance(step, int) else None,
     )
-    try:
+    with naming_store(store, name, "committing"):
         commit_checkpoint(store, name, marker)
         if on_commit is not None:
             on_commit(store, name)
-    except _IO_ERRORS as exc:
-        raise _storage_error(store, name, "committing", exc) from exc
 
 
 class PendingSave:
@@ -148,10 +152,8 @@ class PendingSave:
         checkpoint then stays uncommitted). Idempotent."""
         with self._lock:
             if not self._done:
-                try:
+                with naming_store(self.store, self.name, "writing"):
                     self._future.result()
-                except _IO_ERRORS as exc:
-                    raise _storage_error(self.store, self.name, "writing", exc) from exc
                 if dist.get_rank() == 0:
                     self._commit()
                 self._done = True
@@ -214,16 +216,10 @@ def load_sharded(
     """
     state = _state_to_load(model, optimizer)
     reader = dcp_reader(store, name)
-    try:
-        metadata = reader.read_metadata()
-    except _IO_ERRORS as exc:
-        raise _storage_error(store, name, "reading", exc) from exc
-    check_fits(state, metadata, where=store.path(name))
-    try:
+    with naming_store(store, name, "reading"):
+        check_fits(state, reader.read_metadata(), where=store.path(name))
         dcp.load(state, storage_reader=reader)
         extra, own = _read_extra(store, name, dist.get_rank())
-    except _IO_ERRORS as exc:
-        raise _storage_error(store, name, "reading", exc) from exc
     _set_state(model, optimizer, state)
     if own:
         restore_rng_state(extra["rng"])

@@ -64,10 +64,13 @@ class CheckpointStore:
         )
 
     def read_marker(self, name: str) -> str | None:
-        """The text of a checkpoint's ``COMPLETE`` marker; None when it has none."""
+        """The text of a checkpoint's ``COMPLETE`` marker; None when it has none.
+
+        Any other failure (the store unreachable) raises: taking a complete
+        checkpoint for a partial one would get it deleted."""
         try:
             return self.read_file(f"{name}/{MARKER_NAME}").decode()
-        except (FileNotFoundError, OSError):
+        except FileNotFoundError:
             return None
 
     def read_markers(self) -> dict[str, str | None]:
@@ -78,7 +81,7 @@ class CheckpointStore:
         """A small file under ``root`` as text; None when it does not exist."""
         try:
             return self.read_file(relative).decode()
-        except (FileNotFoundError, OSError):
+        except FileNotFoundError:
             return None
 
     def write_marker(self, name: str, text: str) -> None:

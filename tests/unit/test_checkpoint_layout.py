@@ -112,3 +112,30 @@ def test_retention_deletes_unregistered_complete_checkpoints_beyond_num_to_keep(
     assert compute_retention_deletions(markers, set(), 1) == []
     # The newest complete checkpoint is never deleted, even unregistered.
     assert names[5] not in compute_retention_deletions(markers, set(names[:5]), 1)
+
+
+def test_unreachable_store_raises_instead_of_looking_incomplete():
+    """A marker that cannot be read because the server is gone must not read
+    as "no marker": the commit would delete that complete checkpoint as a
+    partial one."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    from tests.conftest import S3Server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        store = CheckpointStore(S3Server(port).filesystem(), "unit-gone/run")
+        store.fs.create_dir("unit-gone")
+        store.write_marker(checkpoint_name(1), DONE)
+        assert store.read_marker(checkpoint_name(1)) == DONE
+        assert store.read_marker(checkpoint_name(2)) is None
+    finally:
+        server.stop()
+    with pytest.raises(OSError, match="unit-gone"):
+        store.read_marker(checkpoint_name(1))
