@@ -21,6 +21,8 @@ import torch
 
 import ray_fsdp_backend as rfb
 from ray_fsdp_backend.checkpoint import sharded
+from ray_fsdp_backend.checkpoint.layout import checkpoint_name, names_in
+from ray_fsdp_backend.checkpoint.ray_run import run_store
 from tests import counting_fs
 from tests.e2e.ckpt_fns import _batch, _fault, _mean, full_params, next_attempt
 from tests.models import reference_model
@@ -41,7 +43,15 @@ def _failing_writer(make):
     return patched
 
 
-def _wait_server_gone(loop_config: dict) -> None:
+def _wait_server_gone(loop_config: dict, last: str) -> None:
+    """Let Ray register checkpoint ``last`` first (its controller writes to the
+    store too, and should not be the one to find the server gone), then ask
+    the test to stop the server and wait until it is."""
+    store = run_store()
+    for _ in range(600):
+        if last in names_in(store.read_text("checkpoint_manager_snapshot.json")):
+            break
+        time.sleep(0.1)
     open(os.path.join(loop_config["fault_dir"], "stop_server"), "w").close()
     host, port = loop_config["endpoint"].split(":")
     for _ in range(600):
@@ -90,7 +100,7 @@ def train_on_store(loop_config: dict) -> dict:
         if _fault(loop_config, attempt, ctx.world_rank, step, "async_write_fail"):
             sharded.dcp_writer = _failing_writer(sharded.dcp_writer)
         if _fault(loop_config, attempt, ctx.world_rank, step, "server_gone"):
-            _wait_server_gone(loop_config)
+            _wait_server_gone(loop_config, checkpoint_name(step // loop_config["every"] - 1))
         ctx.save_checkpoint(
             model,
             opt,

@@ -128,7 +128,7 @@ def test_two_workers_reshard_the_four_worker_checkpoint_from_s3(runs):
         assert torch.equal(got, torch.tensor(value)), name
 
 
-def test_server_gone_mid_save_fails_naming_the_store_then_resumes(runs, tmp_path):
+def test_server_gone_mid_save_fails_naming_the_store_then_resumes(s3_server, ray_local, tmp_path):
     from moto.server import ThreadedMotoServer
 
     with socket.socket() as s:
