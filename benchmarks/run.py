@@ -52,7 +52,7 @@ SETTINGS = {
         "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
         "dmuon": dict(sizes=(64, 128, 256), ranks=(1, 2), steps=5),
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
-        "checkpoint_io": dict(worlds=(2, 4), model=SMALL, reps=3, steps=10),
+        "checkpoint_io": dict(worlds=(2, 4), model=SMALL, reps=2, steps=10),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),

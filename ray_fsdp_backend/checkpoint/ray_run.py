@@ -60,6 +60,8 @@ _logger = logging.getLogger(__name__)
 _RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 # The asynchronous save in flight in this worker (at most one).
 _PENDING: PendingSave | None = None
+# Checkpoints this worker ever saw in Ray's snapshot (registered with Ray).
+_SEEN_BY_RAY: set[str] = set()
 
 
 def run_store() -> CheckpointStore:
@@ -138,8 +140,11 @@ def retain(store: CheckpointStore, name: str) -> None:
     from ray.train.v2._internal.execution.context import get_train_context
 
     keep = get_train_context().train_run_context.run_config.checkpoint_config.num_to_keep
-    known = names_in(store.read_text(_RAY_SNAPSHOT))
-    for orphan in compute_retention_deletions(store.read_markers(), known, keep):
+    # Ray writes its snapshot before deleting the checkpoints it drops: one it
+    # is dropping right now is in no snapshot any more, and deleting it too
+    # would make Ray's own delete fail. Anything Ray ever listed stays Ray's.
+    _SEEN_BY_RAY.update(names_in(store.read_text(_RAY_SNAPSHOT)))
+    for orphan in compute_retention_deletions(store.read_markers(), _SEEN_BY_RAY, keep):
         _logger.info("ray_fsdp_backend: deleting unregistered checkpoint %s", orphan)
         store.delete(orphan)
 
