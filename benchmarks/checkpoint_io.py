@@ -5,7 +5,8 @@ For one FSDP2 model with AdamW state, at each world size:
 - **save**: ``save_sharded`` (every rank writes its files straight to the store);
 - **restore**: ``load_sharded`` with ranged reads (ours) vs **before**: every
   rank downloads the whole checkpoint directory and reads it locally (what
-  ``checkpoint/store.py`` did up to this change; reproduced here to compare);
+  ``checkpoint/store.py`` did on object storage up to this change;
+  reproduced here to compare; a local store was and is read in place);
   bytes read by all ranks together, counted by ``tests.counting_fs``;
 - **stall**: training time lost to one checkpoint, ``steps`` training steps
   with a checkpoint at the first minus the same steps without; synchronous

@@ -183,7 +183,8 @@ def _checkpoint_io(results: list[dict]) -> list[str]:
             )
             rows.append([
                 r["world_size"], store, _mib(m["size"]), read, f"{m['save_s']:.2f}",
-                f"{m['restore_s']:.2f} vs {m['restore_before_s']:.2f}",
+                f"{m['restore_s']:.2f} vs {m['restore_before_s']:.2f}" if m["read"]
+                else f"{m['restore_s']:.2f} (in place, as before)",
                 f"{m['stall_sync_s']:.2f}", f"{m['stall_async_s']:.2f}",
                 f"{m['stall_async_s'] / m['stall_sync_s']:.2f}" if m["stall_sync_s"] > 0 else "-",
             ])  # fmt: skip
