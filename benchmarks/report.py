@@ -218,6 +218,34 @@ def _pretrained(r: dict) -> list[str]:
     ]
 
 
+def _checkpoint_io(results: list[dict]) -> list[str]:
+    rows = []
+    for r in results:
+        for store, m in r["stores"].items():
+            read = (
+                f"{_mib(m['read'])} ({m['read'] / m['size']:.2f}x) vs "
+                f"{_mib(m['read_before'])} ({m['read_before'] / m['size']:.2f}x)"
+                if m["read"]
+                else "in place"
+            )
+            rows.append([
+                r["world_size"], store, _mib(m["size"]), read, f"{m['save_s']:.2f}",
+                f"{m['restore_s']:.2f} vs {m['restore_before_s']:.2f}" if m["read"]
+                else f"{m['restore_s']:.2f} (in place, as before)",
+                f"{m['stall_sync_s']:.2f}", f"{m['stall_async_s']:.2f}",
+                f"{m['stall_async_s'] / m['stall_sync_s']:.2f}" if m["stall_sync_s"] > 0 else "-",
+            ])  # fmt: skip
+    header = ["ranks", "store", "checkpoint MiB", "MiB read per restore: ranged vs before",
+              "save s", "restore s: ranged vs before", "stall sync s", "stall async s",
+              "async/sync"]  # fmt: skip
+    return [
+        "#### 9. Checkpoints: bytes read per restore (all ranks; target ≤ 1.2x), save and "
+        "restore time, training time lost per checkpoint (target async ≤ 0.25 of sync)",
+        "",
+        *_table(header, rows),
+    ]
+
+
 SECTIONS = {
     "step_time": lambda r: _step_time(r) + _memory(r),
     "clipping": _clipping,
@@ -226,6 +254,7 @@ SECTIONS = {
     "scaling": _scaling,
     "compile": _compile,
     "pretrained": _pretrained,
+    "checkpoint_io": _checkpoint_io,
 }
 
 

@@ -12,6 +12,8 @@ medians and the median ratio):
 7. step time with ``compile: true`` vs eager (``compile_bench``);
 8. loading a pretrained HF checkpoint: ours sharded vs ``from_pretrained``
    on every rank, peak host memory and time (``pretrained``);
+9. checkpoint save/restore on local disk and S3 (moto), bytes read per
+   restore, training stall per checkpoint sync vs async (``checkpoint_io``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import (
+    checkpoint_io,
     clipping,
     compile_bench,
     dmuon_bench,
@@ -47,7 +50,16 @@ from benchmarks import (
 )
 from tests.dist.harness import run_ranks
 
-COMPARISONS = ("step_time", "clipping", "startup", "dmuon", "scaling", "compile", "pretrained")
+COMPARISONS = (
+    "step_time",
+    "clipping",
+    "startup",
+    "dmuon",
+    "scaling",
+    "compile",
+    "pretrained",
+    "checkpoint_io",
+)
 
 TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
 SMALL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, seq_len=64)
@@ -64,6 +76,7 @@ SETTINGS = {
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
         "compile": dict(world=2, model=SMALL, batch=4, accum=1, reps=7, steps=3),
         "pretrained": dict(worlds=(1, 2, 4), dim=512, layers=8, vocab=32000, reps=2),
+        "checkpoint_io": dict(worlds=(2, 4), model=SMALL, reps=2, steps=10),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
@@ -73,6 +86,7 @@ SETTINGS = {
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
         "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
         "pretrained": dict(worlds=(1, 2), dim=64, layers=2, vocab=512, reps=1),
+        "checkpoint_io": dict(worlds=(2,), model=TINY, reps=1, steps=2),
     },
 }
 
@@ -132,6 +146,7 @@ RUNNERS = {
     "scaling": run_scaling,
     "compile": run_compile,
     "pretrained": run_pretrained,
+    "checkpoint_io": checkpoint_io.run,
 }
 
 

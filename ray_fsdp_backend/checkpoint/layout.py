@@ -187,3 +187,34 @@ def choose_resume(
             "incomplete or was not written by TrainContext.save_checkpoint"
         )
     return ResumeChoice(handed=True)
+
+
+def names_in(text: str | None) -> set[str]:
+    """Every checkpoint directory name mentioned in ``text`` (e.g. Ray's
+    checkpoint-manager snapshot: the checkpoints Ray has registered)."""
+    return set(re.findall(r"checkpoint_\d{6,}", text or ""))
+
+
+def compute_retention_deletions(
+    markers: Mapping[str, str | None], ray_known: Iterable[str], num_to_keep: int | None
+) -> list[str]:
+    """Complete checkpoints to delete so that the store keeps ``num_to_keep``.
+
+    All complete checkpoints count, registered with Ray or not; the newest
+    ``num_to_keep`` stay (so the newest complete one always does). Of the
+    older ones only those Ray never registered are returned (Ray deletes its
+    own): and only when older than the newest one Ray registered, since Ray
+    registers reports in order, a checkpoint older than a registered one
+    that is not registered itself never will be (its worker died)."""
+    if num_to_keep is None or num_to_keep < 1:
+        return []
+    known = {n for n in ray_known if parse_seq(n) is not None}
+    if not known:
+        return []
+    newest_known = max(map(parse_seq, known))
+    complete = sorted(
+        (n for n, text in markers.items() if parse_seq(n) is not None and decode_marker(text)),
+        key=parse_seq,
+    )
+    older = complete[: max(len(complete) - num_to_keep, 0)]
+    return [n for n in older if n not in known and parse_seq(n) < newest_known]

@@ -16,8 +16,19 @@ Every Ray Train quirk the checkpoint code depends on is handled here
   Restore therefore takes the newest complete checkpoint in the run's storage
   (``ray.train.get_context().get_storage()``, a DeveloperAPI) and falls back
   to the handed one (e.g. ``resume_from_checkpoint``) only when the run has
-  none of its own. A checkpoint completed but never registered is not
-  counted by ``CheckpointConfig.num_to_keep``; it stays in storage.
+  none of its own.
+- Ray's ``num_to_keep`` counts only registered checkpoints, so one completed
+  but never registered (its worker died right after saving) would stay
+  forever. After each commit rank 0 also deletes such orphans beyond the
+  newest ``num_to_keep`` complete checkpoints (:func:`layout.
+  compute_retention_deletions`), reading which ones Ray registered from its
+  ``checkpoint_manager_snapshot.json`` in the run's storage.
+- Asynchronous saves report with ``CheckpointUploadMode.ASYNC`` and an
+  upload function that waits for the background write and, on rank 0,
+  commits: ``report`` returns at once, Ray registers the checkpoint only after
+  the function returned on every rank, and it waits for pending uploads when
+  the training function ends (its upload thread pool is shut down with
+  wait). A failed background write fails the run from Ray's upload thread.
 """
 
 from __future__ import annotations
@@ -32,11 +43,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_fsdp_backend.checkpoint.layout import choose_resume
-from ray_fsdp_backend.checkpoint.sharded import broadcast_from_rank0, load_sharded, save_sharded
+from ray_fsdp_backend.checkpoint.layout import choose_resume, compute_retention_deletions, names_in
+from ray_fsdp_backend.checkpoint.sharded import (
+    PendingSave,
+    broadcast_from_rank0,
+    load_sharded,
+    naming_store,
+    save_sharded,
+    start_async_save,
+)
 from ray_fsdp_backend.checkpoint.store import CheckpointStore
 
 _logger = logging.getLogger(__name__)
+
+# Ray Train 2.60 writes its registered checkpoints here, under the run's directory.
+_RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+# The asynchronous save in flight in this worker (at most one).
+_PENDING: PendingSave | None = None
+# Checkpoints this worker ever saw in Ray's snapshot (registered with Ray).
+_SEEN_BY_RAY: set[str] = set()
 
 
 def run_store() -> CheckpointStore:
@@ -58,17 +83,70 @@ def save_checkpoint(
     *,
     extra_state: Mapping[str, Any] | None = None,
     strategy: str = "",
+    async_save: bool = False,
 ) -> None:
     """Write a sharded checkpoint into the run's storage, commit it, then
-    report it with ``metrics`` from every rank (see the module docstring)."""
+    report it with ``metrics`` from every rank (see the module docstring).
+
+    With ``async_save`` it returns once the state is staged in host memory;
+    the write, the commit and Ray's registration follow in the background.
+    Either way it first waits for the save in flight, if any."""
     store = run_store()
-    name = save_sharded(store, model, optimizer, extra_state=extra_state, strategy=strategy)
+    wait_for_pending_save()
+    if not async_save:
+        name = save_sharded(
+            store, model, optimizer, extra_state=extra_state, strategy=strategy, on_commit=retain
+        )
+        _report(metrics, store, name, ray.train.CheckpointUploadMode.NO_UPLOAD)
+        return
+    global _PENDING
+    _PENDING = start_async_save(
+        store, model, optimizer, extra_state=extra_state, strategy=strategy, on_commit=retain
+    )
+    pending = _PENDING
+
+    def upload(checkpoint: ray.train.Checkpoint, _dir_name: str) -> ray.train.Checkpoint:
+        pending.wait()
+        return checkpoint
+
+    _report(metrics, store, pending.name, ray.train.CheckpointUploadMode.ASYNC, upload=upload)
+
+
+def wait_for_pending_save() -> None:
+    """Wait for this worker's asynchronous save in flight (and commit it on
+    rank 0); raises what its background write raised."""
+    global _PENDING
+    pending, _PENDING = _PENDING, None
+    if pending is not None:
+        pending.wait()
+
+
+def _report(metrics, store: CheckpointStore, name: str, mode, upload=None) -> None:
+    extra = {} if upload is None else {"checkpoint_upload_fn": upload}
     ray.train.report(
         dict(metrics),
         checkpoint=ray.train.Checkpoint(path=store.path(name), filesystem=store.fs),
         checkpoint_dir_name=name,
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+        checkpoint_upload_mode=mode,
+        delete_local_checkpoint_after_upload=False,
+        **extra,
     )
+
+
+def retain(store: CheckpointStore, name: str) -> None:
+    """Rank 0 after committing ``name``: delete complete checkpoints Ray never
+    registered beyond the newest ``num_to_keep`` (see the module docstring)."""
+    # Ray 2.60 exposes the run config to workers only through its internal context.
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    keep = get_train_context().train_run_context.run_config.checkpoint_config.num_to_keep
+    # Ray writes its snapshot before deleting the checkpoints it drops: one it
+    # is dropping right now is in no snapshot any more, and deleting it too
+    # would make Ray's own delete fail. Anything Ray ever listed stays Ray's.
+    _SEEN_BY_RAY.update(names_in(store.read_text(_RAY_SNAPSHOT)))
+    for orphan in compute_retention_deletions(store.read_markers(), _SEEN_BY_RAY, keep):
+        _logger.info("ray_fsdp_backend: deleting unregistered checkpoint %s", orphan)
+        store.delete(orphan)
 
 
 def restore_checkpoint(
@@ -87,8 +165,10 @@ def restore_checkpoint(
     store = run_store()
 
     def choose():
+        with naming_store(store, "(newest complete)", "listing"):
+            markers = store.read_markers()
         handed_marker = None if handed is None else _marker_of(handed)
-        return choose_resume(store.read_markers(), handed_marker, handed is not None)
+        return choose_resume(markers, handed_marker, handed is not None)
 
     choice = broadcast_from_rank0(choose)
     if choice is None:

@@ -6,21 +6,30 @@ so a checkpoint loads under another world size or strategy: DCP reshards.
 Each rank also writes its own extra state (RNG generators and the caller's
 step, data position, scheduler state). Rank 0 commits the checkpoint with a
 ``COMPLETE`` marker only after every rank finished writing.
+
+Files go straight to the store (:mod:`.store`): each rank writes and reads
+only its own files and byte ranges. ``start_async_save`` stages the state in
+host memory and writes it in a background thread (``dcp.async_save`` on a
+gloo group of its own); its :class:`PendingSave` commits the checkpoint once
+every rank's files are durable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
-import os
 import random
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -32,7 +41,7 @@ from ray_fsdp_backend.checkpoint.layout import (
     next_checkpoint_name,
     stale_partials,
 )
-from ray_fsdp_backend.checkpoint.store import CheckpointStore, readable_dir, writable_dir
+from ray_fsdp_backend.checkpoint.store import CheckpointStore, dcp_reader, dcp_writer
 
 _logger = logging.getLogger(__name__)
 
@@ -40,9 +49,33 @@ _logger = logging.getLogger(__name__)
 # per-parameter optimizer state (param_groups hold hyperparameters only).
 _CHECKED_PREFIXES = ("model.", "optim.state.")
 
+# DCP reports a rank's failed read or write as CheckpointException, a
+# BaseException (torch 2.13), which ``except Exception`` misses.
+_IO_ERRORS = (Exception, CheckpointException)
+
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model (or optimizer) it is loaded into."""
+
+
+class CheckpointStorageError(RuntimeError):
+    """Reading or writing a checkpoint on its store failed (the message names
+    the store and the checkpoint, never credentials)."""
+
+
+@contextlib.contextmanager
+def naming_store(store: CheckpointStore, name: str, action: str) -> Iterator[None]:
+    """Re-raise a failure of the block as ``CheckpointStorageError`` naming
+    the store and the checkpoint (``action``: reading, writing, ...)."""
+    try:
+        yield
+    except (CheckpointStorageError, CheckpointMismatchError):
+        raise
+    except _IO_ERRORS as exc:
+        raise CheckpointStorageError(
+            f"{action} checkpoint {name} on store {store.describe()} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def save_sharded(
@@ -52,35 +85,109 @@ def save_sharded(
     *,
     extra_state: Mapping[str, Any] | None = None,
     strategy: str = "",
+    on_commit: Callable[[CheckpointStore, str], None] | None = None,
 ) -> str:
     """Write a new checkpoint into ``store`` and commit it; returns its name.
 
     Collective: every rank calls it. Each rank writes its DCP shard and its
-    extra state; after a barrier rank 0 writes the ``COMPLETE`` marker and
-    deletes partial checkpoints older than this one. When it returns on any
+    extra state straight into the store; after a barrier rank 0 writes the
+    ``COMPLETE`` marker, deletes partial checkpoints older than this one and
+    calls ``on_commit(store, name)`` (retention). When it returns on any
     rank, the checkpoint is complete.
 
     Raises:
         ValueError: ``extra_state`` holds objects that ``torch.load(...,
             weights_only=True)`` cannot read back (checked before writing).
+        CheckpointStorageError: the store failed; the message names it.
     """
-    rank = dist.get_rank()
-    payload = encode_extra_state(extra_state)
-    name = broadcast_from_rank0(lambda: next_checkpoint_name(store.list_checkpoints()))
-    with writable_dir(store, name) as local:
-        dcp.save(_state_to_save(model, optimizer), storage_writer=dcp.FileSystemWriter(local))
-        _write_file(os.path.join(local, extra_state_name(rank)), payload)
+    name = _begin_save(store, extra_state)
+    with naming_store(store, name, "writing"):
+        dcp.save(_state_to_save(model, optimizer), storage_writer=dcp_writer(store, name))
     dist.barrier()
-    if rank == 0:
-        step = (extra_state or {}).get("step")
-        marker = encode_marker(
-            world_size=dist.get_world_size(),
-            strategy=strategy,
-            step=step if isinstance(step, int) else None,
-        )
-        commit_checkpoint(store, name, marker)
+    if dist.get_rank() == 0:
+        _commit(store, name, extra_state, strategy, on_commit)
     dist.barrier()
     return name
+
+
+def _begin_save(store: CheckpointStore, extra_state: Mapping[str, Any] | None) -> str:
+    """Agree on the new checkpoint's name and write this rank's extra state."""
+    payload = encode_extra_state(extra_state)
+    with naming_store(store, "(new)", "naming"):
+        name = broadcast_from_rank0(lambda: next_checkpoint_name(store.list_checkpoints()))
+    with naming_store(store, name, "writing"):
+        store.write_file(f"{name}/{extra_state_name(dist.get_rank())}", payload)
+    return name
+
+
+def _commit(store, name, extra_state, strategy, on_commit) -> None:
+    """Rank 0, once every rank's files are durable: marker, then cleanup."""
+    step = (extra_state or {}).get("step")
+    marker = encode_marker(
+        world_size=dist.get_world_size(),
+        strategy=strategy,
+        step=step if isinstance(step, int) else None,
+    )
+    with naming_store(store, name, "committing"):
+        commit_checkpoint(store, name, marker)
+        if on_commit is not None:
+            on_commit(store, name)
+
+
+class PendingSave:
+    """A checkpoint being written in the background (see ``start_async_save``)."""
+
+    def __init__(self, store: CheckpointStore, name: str, future: Future, commit: Callable):
+        self.store, self.name = store, name
+        self._future, self._commit = future, commit
+        self._done = False
+        # Ray's upload thread and the next save in the training thread may both wait.
+        self._lock = threading.Lock()
+
+    def wait(self) -> str:
+        """Block until this rank's files are written; on rank 0 (whose DCP
+        save ends only after every rank's writes were gathered and the
+        metadata written) commit the checkpoint. Returns its name. Raises
+        ``CheckpointStorageError`` when the background write failed (the
+        checkpoint then stays uncommitted). Idempotent."""
+        with self._lock:
+            if not self._done:
+                with naming_store(self.store, self.name, "writing"):
+                    self._future.result()
+                if dist.get_rank() == 0:
+                    self._commit()
+                self._done = True
+        return self.name
+
+
+_ASYNC_GROUP = None
+
+
+def start_async_save(
+    store: CheckpointStore,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    extra_state: Mapping[str, Any] | None = None,
+    strategy: str = "",
+    on_commit: Callable[[CheckpointStore, str], None] | None = None,
+) -> PendingSave:
+    """Stage model and optimizer state in host memory and write the new
+    checkpoint in a background thread (``dcp.async_save``); returns when the
+    state is staged. The caller waits for the previous ``PendingSave``
+    first: one save in flight. Collective."""
+    global _ASYNC_GROUP
+    if _ASYNC_GROUP is None:  # async_save needs a CPU group; its own keeps it off training's
+        _ASYNC_GROUP = dist.new_group(backend="gloo")
+    name = _begin_save(store, extra_state)
+    future = dcp.async_save(
+        _state_to_save(model, optimizer),
+        storage_writer=dcp_writer(store, name),
+        process_group=_ASYNC_GROUP,
+    )
+    return PendingSave(
+        store, name, future, lambda: _commit(store, name, extra_state, strategy, on_commit)
+    )
 
 
 def commit_checkpoint(store: CheckpointStore, name: str, marker: str) -> None:
@@ -108,11 +215,11 @@ def load_sharded(
             or tensors of another shape; the message names them.
     """
     state = _state_to_load(model, optimizer)
-    with readable_dir(store, name) as local:
-        reader = dcp.FileSystemReader(local)
+    reader = dcp_reader(store, name)
+    with naming_store(store, name, "reading"):
         check_fits(state, reader.read_metadata(), where=store.path(name))
         dcp.load(state, storage_reader=reader)
-        extra, own = _read_extra(local, dist.get_rank())
+        extra, own = _read_extra(store, name, dist.get_rank())
     _set_state(model, optimizer, state)
     if own:
         restore_rng_state(extra["rng"])
@@ -236,21 +343,12 @@ def encode_extra_state(extra_state: Mapping[str, Any] | None) -> bytes:
     return data
 
 
-def _read_extra(local: str, rank: int) -> tuple[dict[str, Any], bool]:
+def _read_extra(store: CheckpointStore, name: str, rank: int) -> tuple[dict[str, Any], bool]:
     """This rank's extra state if it saved one, else rank 0's; and whether it
     was this rank's own (only then are its RNG generators restored)."""
-    own = os.path.join(local, extra_state_name(rank))
-    path = own if os.path.exists(own) else os.path.join(local, extra_state_name(0))
-    with open(path, "rb") as f:
-        return torch.load(f, weights_only=True), path == own
-
-
-def _write_file(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    own = f"{name}/{extra_state_name(rank)}"
+    path = own if store.exists(own) else f"{name}/{extra_state_name(0)}"
+    return torch.load(io.BytesIO(store.read_file(path)), weights_only=True), path == own
 
 
 def broadcast_from_rank0(compute):

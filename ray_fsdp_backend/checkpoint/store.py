@@ -1,24 +1,32 @@
 """Where a run's checkpoints live: a ``pyarrow.fs`` filesystem and a directory.
 
 Ray Train describes storage this way (``RunConfig(storage_path=...)``: a local
-or shared path, or a cloud URI). On a local (or NFS-mounted) filesystem ranks
-write and read their shards in place; on any other filesystem they stage them
-in a local temporary directory and copy it, as Ray's own upload does.
+or shared path, or a cloud URI). Every rank reads and writes its own files
+straight on that filesystem, with no local copy of the checkpoint:
+
+- on a local (or NFS-mounted) filesystem through DCP's ``FileSystemWriter`` /
+  ``FileSystemReader`` (files fsynced);
+- on any other (object storage) through DCP's fsspec writer and reader over
+  :func:`ray_fsdp_backend.filesystem.to_fsspec` of the run's filesystem, so the
+  credentials and endpoint are exactly the ones the user gave Ray. Reads are
+  ranged: the reader fetches the byte ranges of the items this rank loads,
+  merged into contiguous spans (one request per span, nothing around them),
+  so a restore reads about the checkpoint's size over all ranks, not
+  world-size times it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import io
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from ray_fsdp_backend.checkpoint.layout import MARKER_NAME, parse_seq
+from ray_fsdp_backend.filesystem import to_fsspec
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,10 @@ class CheckpointStore:
         """Whether ranks can write and read checkpoint files at their paths."""
         return isinstance(self.fs, pafs.LocalFileSystem)
 
+    def describe(self) -> str:
+        """The store for messages: filesystem kind and path (never credentials)."""
+        return f"{self.fs.type_name}://{self.root.lstrip('/')}"
+
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
@@ -52,75 +64,172 @@ class CheckpointStore:
         )
 
     def read_marker(self, name: str) -> str | None:
-        """The text of a checkpoint's ``COMPLETE`` marker; None when it has none."""
+        """The text of a checkpoint's ``COMPLETE`` marker; None when it has none.
+
+        Any other failure (the store unreachable) raises: taking a complete
+        checkpoint for a partial one would get it deleted."""
         try:
-            with self.fs.open_input_stream(f"{self.path(name)}/{MARKER_NAME}") as f:
-                return f.read().decode()
-        except (FileNotFoundError, OSError):
+            return self.read_file(f"{name}/{MARKER_NAME}").decode()
+        except FileNotFoundError:
             return None
 
     def read_markers(self) -> dict[str, str | None]:
         """Every checkpoint directory's marker text (None: no marker)."""
         return {name: self.read_marker(name) for name in self.list_checkpoints()}
 
+    def read_text(self, relative: str) -> str | None:
+        """A small file under ``root`` as text; None when it does not exist."""
+        try:
+            return self.read_file(relative).decode()
+        except FileNotFoundError:
+            return None
+
     def write_marker(self, name: str, text: str) -> None:
         """Write the marker so that it appears whole or not at all (a
         temporary file moved into place; on object stores a single put)."""
-        final = f"{self.path(name)}/{MARKER_NAME}"
+        self.write_file(f"{name}/{MARKER_NAME}", text.encode())
+
+    def write_file(self, relative: str, data: bytes) -> None:
+        """Write ``data`` at ``root/relative``, durably and whole: locally a
+        fsynced temporary file renamed into place, on object storage one put."""
+        final = f"{self.root}/{relative}"
         if not self.in_place:
+            self.fs.create_dir(final.rsplit("/", 1)[0])  # hierarchical filesystems need it
             with self.fs.open_output_stream(final) as f:
-                f.write(text.encode())
+                f.write(data)
             return
+        os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+
+    def read_file(self, relative: str) -> bytes:
+        """The bytes at ``root/relative`` (FileNotFoundError when absent)."""
+        with self.fs.open_input_stream(f"{self.root}/{relative}") as f:
+            return f.read()
+
+    def exists(self, relative: str) -> bool:
+        info = self.fs.get_file_info(f"{self.root}/{relative}")
+        return info.type != pafs.FileType.NotFound
 
     def delete(self, name: str) -> None:
         self.fs.delete_dir(self.path(name))
 
 
-@contextlib.contextmanager
-def writable_dir(store: CheckpointStore, name: str) -> Iterator[str]:
-    """A local directory for this rank's files of checkpoint ``name``: the
-    checkpoint directory itself when the store is local, else a staging
-    directory copied into the store when the block ends without error."""
+def dcp_writer(store: CheckpointStore, name: str):
+    """A DCP storage writer that puts this rank's files straight into
+    checkpoint ``name`` of ``store``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
     if store.in_place:
         os.makedirs(store.path(name), exist_ok=True)
-        yield store.path(name)
-        return
-    staging = tempfile.mkdtemp(prefix=f"rfb_{name}_")
-    try:
-        yield staging
-        store.fs.create_dir(store.path(name))
-        pafs.copy_files(
-            staging,
-            store.path(name),
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=store.fs,
-        )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return FileSystemWriter(store.path(name))
+    # fsync does not exist on object storage; a closed upload is durable.
+    writer = FsspecWriter(store.path(name), sync_files=False)
+    writer.fs = _fsspec_view(store)
+    return writer
 
 
-@contextlib.contextmanager
-def readable_dir(store: CheckpointStore, name: str) -> Iterator[str]:
-    """A local directory holding checkpoint ``name``: in place when the store
-    is local, else a temporary download of it (every shard: resharding may
-    need any of them)."""
+def dcp_reader(store: CheckpointStore, name: str):
+    """A DCP storage reader of checkpoint ``name`` that reads only the byte
+    ranges this rank loads (and the small ``.metadata``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     if store.in_place:
-        yield store.path(name)
-        return
-    local = tempfile.mkdtemp(prefix=f"rfb_{name}_")
-    try:
-        pafs.copy_files(
-            store.path(name),
-            local,
-            source_filesystem=store.fs,
-            destination_filesystem=pafs.LocalFileSystem(),
-        )
-        yield local
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
+        return FileSystemReader(store.path(name))
+    reader = _ranged_reader_class()(store.path(name))
+    reader.fs = _fsspec_view(store)
+    return reader
+
+
+def _fsspec_view(store: CheckpointStore):
+    """DCP's fsspec ``FileSystem`` adapter bound to the store's filesystem
+    (instead of one built from a URL, which would need s3fs and its own
+    credentials)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    view = FileSystem()
+    view.fs = to_fsspec(store.fs)
+    return view
+
+
+def _ranged_reader_class():
+    """``FsspecReader`` that fetches this rank's items in few exact ranged reads.
+
+    DCP's reader opens each file and hands ``torch.load`` a view over it:
+    every small read in that view would be a request, and fsspec caches may
+    read ahead into other ranks' bytes. Before DCP's ``read_data`` runs, this
+    one reads, per file (files in parallel), the plan's items merged into
+    contiguous spans: one ranged GET per span, exactly the bytes needed. The
+    items are then served from those buffers. The ``.metadata`` file is read
+    in one request and kept (DCP's ``pickle.load`` on the remote stream would
+    issue a request per small read, and the load reads it twice)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class RangedReader(FsspecReader):
+        _metadata = None
+
+        def read_metadata(self, *args, **kwargs):
+            if self._metadata is None:
+                path = self._get_metadata_path(kwargs.get("rank"))
+                with self.fs.create_stream(path, "rb") as f:
+                    metadata = pickle.loads(f.read())  # as DCP's reader, from one request
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                self._metadata = metadata
+            return self._metadata
+
+        def read_data(self, plan, planner):
+            infos = [self.storage_data[item.storage_index] for item in plan.items]
+            self._spans = _fetch_spans(self.fs, self.path, infos)
+            try:
+                return super().read_data(plan, planner)
+            finally:
+                self._spans = {}
+
+        def _slice_file(self, file, sinfo):
+            for start, data in getattr(self, "_spans", {}).get(sinfo.relative_path, ()):
+                offset = sinfo.offset - start
+                if 0 <= offset and offset + sinfo.length <= len(data):
+                    return io.BytesIO(data[offset : offset + sinfo.length])
+            file.seek(sinfo.offset)
+            return io.BytesIO(file.read(sinfo.length))
+
+    return RangedReader
+
+
+def compute_spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges merged where they touch or overlap, sorted."""
+    spans: list[list[int]] = []
+    for offset, length in sorted(ranges):
+        if spans and offset <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], offset + length)
+        else:
+            spans.append([offset, offset + length])
+    return [(start, end - start) for start, end in spans]
+
+
+def _fetch_spans(fs, root, infos) -> dict[str, list[tuple[int, bytes]]]:
+    """Per relative file path, ``(start, bytes)`` of each merged span."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    per_file: dict[str, list[tuple[int, int]]] = {}
+    for info in infos:
+        per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+
+    def fetch(relative: str) -> list[tuple[int, bytes]]:
+        out = []
+        with fs.create_stream(fs.concat_path(root, relative), "rb") as stream:
+            for start, length in compute_spans(per_file[relative]):
+                stream.seek(start)
+                out.append((start, stream.read(length)))
+        return out
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(per_file)))) as pool:
+        return dict(zip(per_file, pool.map(fetch, per_file), strict=True))

@@ -74,6 +74,9 @@ class TrainOptions:
     """Steps between progress lines and ``ray.train.report`` calls."""
     checkpoint_every: int = 0
     """Steps between checkpoints (model, optimizer, step, data position); 0: none."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background: the saving step waits only for a
+    copy of the state in host memory (``ctx.save_checkpoint(async_save=True)``)."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,7 @@ _CHOICES = {
     "optimizer": OPTIMIZERS,
     "source": DATA_SOURCES,
     "use_gpu": (True, False, "auto"),
+    "checkpoint_async": (True, False),
     "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "verbose": (True, False),
 }

@@ -63,7 +63,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     optimizer = build_optimizer(model, spec)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
     batches = build_batches(spec, ctx.dp_rank, ctx.dp_size)
-    checkpoints = CheckpointHooks(ctx, every=opts.checkpoint_every)
+    checkpoints = CheckpointHooks(
+        ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async
+    )
     start_step = checkpoints.restore(model, optimizer, schedule, batches)
 
     history: list[dict[str, float]] = []
@@ -215,8 +217,8 @@ class CheckpointHooks:
     :meth:`restore` once and :meth:`report` at every logged step.
     """
 
-    def __init__(self, ctx, every: int) -> None:
-        self.ctx, self.every = ctx, every
+    def __init__(self, ctx, every: int, async_save: bool = False) -> None:
+        self.ctx, self.every, self.async_save = ctx, every, async_save
         self.enabled = every > 0 and hasattr(ctx, "save_checkpoint")
 
     def due(self, step: int) -> bool:
@@ -238,6 +240,8 @@ class CheckpointHooks:
     def report(self, step, model, optimizer, metrics, extra_state) -> None:
         """A checkpoint when one is due, else a metrics-only report (every rank)."""
         if self.due(step):
-            self.ctx.save_checkpoint(model, optimizer, metrics, extra_state=extra_state)
+            self.ctx.save_checkpoint(
+                model, optimizer, metrics, extra_state=extra_state, async_save=self.async_save
+            )
         else:
             ray.train.report(metrics)

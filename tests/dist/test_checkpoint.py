@@ -76,7 +76,7 @@ def _save_four_ranks(rank, world_size, root):
     model, opt = _wrap(FSDP, rank)
     for _ in range(3):
         _step(model, opt, rank, world_size)
-    # A store that is not a LocalFileSystem: ranks stage and copy, as to a bucket.
+    # A store that is not a LocalFileSystem: ranks write and read through fsspec, as on a bucket.
     import pyarrow.fs as pafs
 
     store = CheckpointStore(pafs.SubTreeFileSystem(root, pafs.LocalFileSystem()), "run")
@@ -126,9 +126,9 @@ def _save_then_crash(rank, world_size, root):
     after_save = {"rand": torch.rand(4), "params": _full_state(model, opt)}
     torch.save(after_save, os.path.join(root, f"after_save_{rank}.pt"))
     _step(model, opt, rank, world_size)
-    if rank == 1:
+    if rank == 0:
         # Dies after DCP wrote every shard and .metadata, before the marker.
-        sharded._write_file = lambda path, data: os._exit(1)
+        sharded.commit_checkpoint = lambda *args: os._exit(1)
     save_sharded(store, model, opt, extra_state={"step": 2})
 
 

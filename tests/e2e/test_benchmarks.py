@@ -30,7 +30,8 @@ def test_every_comparison_is_reported(results):
     data, md = results
     assert set(run.COMPARISONS) <= set(data)
     for heading in ("1. Step time", "2. Memory", "3. Clipping", "4. Start-up", "5. DMuon",
-                    "6. Scaling", "7. `compile: true`", "8. Loading a pretrained"):  # fmt: skip
+                    "6. Scaling", "7. `compile: true`", "8. Loading a pretrained",
+                    "9. Checkpoints"):  # fmt: skip
         assert f"#### {heading}" in md
     assert data["machine"]["torch"] == torch.__version__
 

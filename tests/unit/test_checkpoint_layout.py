@@ -8,8 +8,10 @@ from ray_fsdp_backend.checkpoint.layout import (
     checkpoint_name,
     choose_resume,
     compute_key_mismatch,
+    compute_retention_deletions,
     decode_marker,
     encode_marker,
+    names_in,
     newest_complete,
     next_checkpoint_name,
     stale_partials,
@@ -85,3 +87,55 @@ def test_store_lists_checkpoints_and_writes_whole_markers(tmp_path):
     assert store.read_markers() == {"checkpoint_000001": DONE, "checkpoint_000002": None}
     assert not list(tmp_path.glob("**/*.tmp"))
     assert CheckpointStore.local(tmp_path / "absent").list_checkpoints() == []
+
+
+def _done(step: int) -> str:
+    return encode_marker(world_size=2, strategy="s", step=step)
+
+
+def test_retention_deletes_unregistered_complete_checkpoints_beyond_num_to_keep():
+    names = [checkpoint_name(i) for i in range(1, 7)]
+    # 1, 3 registered; 2 and 4 completed by workers killed before Ray registered
+    # them; 5 registered; 6 just committed (its report not registered yet).
+    markers = {n: _done(i) for i, n in enumerate(names, 1)}
+    markers[checkpoint_name(7)] = None  # being written
+    known = names_in(
+        '{"checkpoint_dir_name": "checkpoint_000001", "x": "checkpoint_000003",'
+        ' "y": "checkpoint_000005"}'
+    )
+    assert known == {names[0], names[2], names[4]}
+    # Keep the newest 2 complete (5, 6); orphans 2 and 4 go; 1 and 3 are Ray's to delete.
+    assert compute_retention_deletions(markers, known, 2) == [names[1], names[3]]
+    # An orphan newer than everything Ray registered may still be registered: kept.
+    assert compute_retention_deletions(markers, {names[0]}, 1) == []
+    assert compute_retention_deletions(markers, known, None) == []
+    assert compute_retention_deletions(markers, set(), 1) == []
+    # The newest complete checkpoint is never deleted, even unregistered.
+    assert names[5] not in compute_retention_deletions(markers, set(names[:5]), 1)
+
+
+def test_unreachable_store_raises_instead_of_looking_incomplete():
+    """A marker that cannot be read because the server is gone must not read
+    as "no marker": the commit would delete that complete checkpoint as a
+    partial one."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    from tests.conftest import S3Server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        store = CheckpointStore(S3Server(port).filesystem(), "unit-gone/run")
+        store.fs.create_dir("unit-gone")
+        store.write_marker(checkpoint_name(1), DONE)
+        assert store.read_marker(checkpoint_name(1)) == DONE
+        assert store.read_marker(checkpoint_name(2)) is None
+    finally:
+        server.stop()
+    with pytest.raises(OSError, match="unit-gone"):
+        store.read_marker(checkpoint_name(1))

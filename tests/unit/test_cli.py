@@ -51,6 +51,7 @@ BREAKAGES = [
     ("model.n_heads=7", "model.n_heads=7"),
     ("train.steps=0", "steps=0"),
     ("train.optimizer=sgd", "optimizer='sgd'"),
+    ("train.checkpoint_async=later", "checkpoint_async='later'"),
     ("scaling.use_gpu=sometimes", "use_gpu='sometimes'"),
     ("scaling.num_workers=0", "num_workers=0"),
     ("data.path=/no/such/file.txt", "is not a file"),

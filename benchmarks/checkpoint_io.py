@@ -1,0 +1,185 @@
+"""Comparison 7: checkpoint I/O on local disk and on an S3 API (moto on loopback).
+
+For one FSDP2 model with AdamW state, at each world size:
+
+- **save**: ``save_sharded`` (every rank writes its files straight to the store);
+- **restore**: ``load_sharded`` with ranged reads (ours) vs **before**: every
+  rank downloads the whole checkpoint directory and reads it locally (what
+  ``checkpoint/store.py`` did on object storage up to this change;
+  reproduced here to compare; a local store was and is read in place);
+  bytes read by all ranks together, counted by ``tests.counting_fs``;
+- **stall**: training time lost to one checkpoint, ``steps`` training steps
+  with a checkpoint at the first minus the same steps without; synchronous
+  ``save_sharded`` vs ``start_async_save`` (its write overlaps the steps;
+  the wait for it at the end is counted).
+
+Times are the slowest rank's medians over ``reps`` alternating repetitions.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+
+import pyarrow.fs as pafs
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import ray_fsdp_backend as rfb
+from benchmarks import _measure, _workload
+from ray_fsdp_backend.checkpoint import sharded
+from ray_fsdp_backend.checkpoint.store import CheckpointStore
+from tests import counting_fs
+
+
+def _setup(model_cfg: dict, rank: int):
+    strategy = rfb.build_strategy(
+        {"use_fsdp": True, "use_mixed_precision": False},
+        device=torch.device("cpu"),
+        local_rank=rank,
+    )
+    model = strategy.wrap(_workload.build_model(model_cfg))
+    opt = _workload.make_optimizer(model)
+    batches = _workload.make_batches(model_cfg, 4, 1, rank)
+
+    def step():
+        opt.zero_grad()
+        _workload.loss_fn(model, *batches[0]).backward()
+        opt.step()
+
+    step()
+    return model, opt, step
+
+
+def _read_all(fn) -> int:
+    before = counting_fs.BYTES_READ[0]
+    fn()
+    mine = torch.tensor([counting_fs.BYTES_READ[0] - before], dtype=torch.int64)
+    dist.all_reduce(mine)
+    return int(mine)
+
+
+def _restore_before(store: CheckpointStore, name: str, model, opt) -> None:
+    """The previous restore: download the whole checkpoint, read it locally."""
+    local = tempfile.mkdtemp(prefix="rfb_bench_")
+    try:
+        pafs.copy_files(store.path(name), local, source_filesystem=store.fs,
+                        destination_filesystem=pafs.LocalFileSystem())  # fmt: skip
+        state = sharded._state_to_load(model, opt)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(local))
+        sharded._set_state(model, opt, state)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def _timed(fn) -> float:
+    _measure.barrier()
+    start = time.perf_counter()
+    fn()
+    _measure.barrier()
+    return time.perf_counter() - start
+
+
+def _one_store(store: CheckpointStore, model, opt, step, *, reps: int, steps: int) -> dict:
+    times = {k: [] for k in ("save", "restore", "restore_before", "plain", "sync", "async")}
+    reads = {}
+    for rep in range(reps):
+        name = _save_restore(store, model, opt, rep, times, reads)
+        times["plain"].append(_timed(lambda: [step() for _ in range(steps)]))
+        times["sync"].append(_timed(lambda: _steps_with(store, model, opt, step, steps, False)))
+        times["async"].append(_timed(lambda: _steps_with(store, model, opt, step, steps, True)))
+    med = {k: statistics.median(_measure.max_over_ranks(v)) for k, v in times.items()}
+    size = counting_fs.tree_size(store.fs, store.path(name))
+    return {
+        "size": size,
+        "save_s": med["save"],
+        "restore_s": med["restore"],
+        "restore_before_s": med["restore_before"],
+        "read": reads["restore"],
+        "read_before": reads["restore_before"],
+        "stall_sync_s": med["sync"] - med["plain"],
+        "stall_async_s": med["async"] - med["plain"],
+        "step_s": med["plain"] / steps,
+    }
+
+
+def _save_restore(store, model, opt, rep: int, times: dict, reads: dict) -> str:
+    """One save, then both restores of it (order alternating); returns its name."""
+    start = time.perf_counter()
+    name = sharded.save_sharded(store, model, opt, extra_state={"step": rep})
+    times["save"].append(time.perf_counter() - start)
+    order = {
+        "restore": lambda: sharded.load_sharded(store, name, model, opt),
+        "restore_before": lambda: _restore_before(store, name, model, opt),
+    }
+    for key in list(order) if rep % 2 == 0 else list(order)[::-1]:
+        reads[key] = _read_all(lambda key=key: times[key].append(_timed(order[key])))
+    return name
+
+
+def _steps_with(store, model, opt, step, steps: int, async_save: bool) -> None:
+    step()
+    if async_save:
+        pending = sharded.start_async_save(store, model, opt, extra_state={"step": 0})
+    else:
+        sharded.save_sharded(store, model, opt, extra_state={"step": 0})
+    for _ in range(steps - 1):
+        step()
+    if async_save:
+        pending.wait()
+
+
+def on_rank(rank: int, world: int, *, model: dict, local_root: str, s3_endpoint: str,
+            reps: int, steps: int) -> dict:  # fmt: skip
+    torch.set_num_threads(1)
+    model_, opt, step = _setup(model, rank)
+    from tests.conftest import S3Server
+
+    port = int(s3_endpoint.rsplit(":", 1)[1])
+    stores = {
+        "local disk": CheckpointStore(pafs.LocalFileSystem(), local_root),
+        "S3 (moto, loopback)": CheckpointStore(
+            counting_fs.counting(S3Server(port).filesystem()), f"bench-ckpt/w{world}"
+        ),
+    }
+    out = {"world_size": world, "stores": {}}
+    for label, store in stores.items():
+        out["stores"][label] = _one_store(store, model_, opt, step, reps=reps, steps=steps)
+    return out
+
+
+def _entry(rank: int, world: int, kwargs: dict) -> dict:
+    return on_rank(rank, world, **kwargs)
+
+
+def run(*, worlds, model: dict, reps: int, steps: int) -> list[dict]:
+    """Start a moto S3 server in this process and measure at each world size."""
+    import os
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    from tests.dist.harness import run_ranks
+
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        from tests.conftest import S3Server
+
+        S3Server(port).filesystem().create_dir("bench-ckpt")
+        results = []
+        for world in worlds:
+            with tempfile.TemporaryDirectory() as local_root:
+                kwargs = dict(model=model, local_root=local_root,
+                              s3_endpoint=f"127.0.0.1:{port}", reps=reps, steps=steps)  # fmt: skip
+                results.append(run_ranks(_entry, world, kwargs))
+        return results
+    finally:
+        server.stop()

@@ -1,0 +1,166 @@
+"""Checkpoints on a real S3 API (moto server on loopback, passed to Ray as
+``RunConfig(storage_filesystem=...)``), 4 CPU workers, full_shard.
+
+One module, one Ray session, four fits: an uninterrupted run with synchronous
+saves; the same job with asynchronous saves, a failed background write and
+killed workers (it must end with the reference's parameters, restore reading
+at most 1.2x the checkpoint, keep at most ``num_to_keep`` + 1 complete
+checkpoints); a 2-worker run resharding its final checkpoint; and a run whose
+S3 server goes away mid-save (the error names the store), resumed later.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+import ray_fsdp_backend as rfb
+from ray_fsdp_backend.checkpoint import CheckpointStore
+from ray_fsdp_backend.checkpoint.layout import decode_marker
+from tests import counting_fs
+from tests.conftest import S3Server
+from tests.e2e.ckpt_s3_fns import train_on_store
+
+pytestmark = pytest.mark.e2e
+
+STEPS, EVERY, KEEP = 8, 2, 1
+FSDP = rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False)
+BUCKET = "e2e-ckpt"
+FAULTS = [
+    # Rank 2's background write of the step-4 checkpoint fails: step 2 resumes.
+    {"rank": 2, "step": 4, "where": "async_write_fail"},
+    # Killed right after the step-6 save returned (its write still in flight).
+    {"rank": 1, "step": 6, "where": "after_save"},
+    # Killed right after the last save returned.
+    {"rank": 3, "step": 8, "where": "after_save"},
+]
+
+
+def _fit(tmp_path, fs, name: str, faults: list, *, workers=4, max_failures=None, **config):
+    fault_dir = tmp_path / f"{name}_faults"
+    fault_dir.mkdir(exist_ok=True)
+    trainer = TorchTrainer(
+        train_on_store,
+        train_loop_config={
+            "steps": STEPS,
+            "every": EVERY,
+            "fault_dir": str(fault_dir),
+            "faults": faults,
+            **config,
+        },
+        torch_config=FSDP,
+        scaling_config=ScalingConfig(num_workers=workers),
+        run_config=RunConfig(
+            name=name,
+            storage_path=f"{BUCKET}/runs",
+            storage_filesystem=fs,
+            failure_config=FailureConfig(
+                max_failures=len(faults) + 1 if max_failures is None else max_failures
+            ),
+            checkpoint_config=CheckpointConfig(num_to_keep=KEEP),
+        ),
+    )
+    return trainer.fit(), fault_dir
+
+
+def _attempts(fault_dir: Path) -> list[dict]:
+    paths = sorted(fault_dir.glob("attempt_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _restore_reads(fault_dir: Path) -> dict[int, int]:
+    """Attempt -> bytes all ranks read while restoring."""
+    totals: dict[int, int] = {}
+    for p in fault_dir.glob("read_*.json"):
+        attempt = int(p.stem.split("_")[1])
+        totals[attempt] = totals.get(attempt, 0) + json.loads(p.read_text())["bytes"]
+    return totals
+
+
+@pytest.fixture(scope="module")
+def runs(s3_server, ray_local, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("ckpt_s3")
+    s3 = s3_server.filesystem()
+    s3.create_dir(BUCKET)
+    fs = counting_fs.counting(s3)
+    straight = _fit(tmp_path, fs, "straight", [])
+    faulted = _fit(tmp_path, fs, "faulted", FAULTS, async_save=True)
+    resharded = _fit(tmp_path, fs, "resharded", [], workers=2, checkpoint=faulted[0].checkpoint)
+    return s3, straight, faulted, resharded
+
+
+def test_async_run_with_kills_ends_equal_to_sync_run_reading_only_its_ranges(runs):
+    s3, (straight, _), (faulted, fault_dir), _ = runs
+    attempts = _attempts(fault_dir)
+    print("resumed from, per attempt:", [a["resumed_from"] for a in attempts])
+    # The failed step-4 write left step 2 the checkpoint restored.
+    assert attempts[1]["resumed_from"] == 2
+    assert len(attempts) == len(FAULTS) + 1
+    for name, value in straight.return_value["params"].items():
+        got = torch.tensor(faulted.return_value["params"][name])
+        assert torch.equal(got, torch.tensor(value)), name
+    # Bytes every rank read from S3 per restore, against the checkpoint's size.
+    root = f"{BUCKET}/runs/faulted"
+    size = counting_fs.tree_size(s3, f"{root}/{Path(faulted.checkpoint.path).name}")
+    reads = {a: r for a, r in sorted(_restore_reads(fault_dir).items()) if r > 0}
+    print(f"checkpoint {size} B; restore reads at 4 ranks: {reads}")
+    assert reads and all(r <= 1.2 * size for r in reads.values()), (reads, size)
+    # Retention over the whole store: registered or not.
+    markers = CheckpointStore(s3, root).read_markers()
+    complete = [n for n, text in markers.items() if decode_marker(text)]
+    print("checkpoints in the store:", markers.keys(), "complete:", complete)
+    assert len(complete) <= KEEP + 1, markers
+
+
+def test_two_workers_reshard_the_four_worker_checkpoint_from_s3(runs):
+    _, _, (faulted, _), (resharded, fault_dir) = runs
+    assert _attempts(fault_dir)[0]["resumed_from"] == STEPS
+    for name, value in faulted.return_value["params"].items():
+        got = torch.tensor(resharded.return_value["params"][name])
+        assert torch.equal(got, torch.tensor(value)), name
+
+
+def test_server_gone_mid_save_fails_naming_the_store_then_resumes(s3_server, ray_local, tmp_path):
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    s3 = S3Server(port).filesystem()
+    s3.create_dir(BUCKET)
+    fault_dir = tmp_path / "gone_faults"
+    fault_dir.mkdir()
+    stopper = threading.Thread(target=_stop_when_asked, args=(server, fault_dir), daemon=True)
+    stopper.start()
+    faults = [{"rank": 0, "step": 4, "where": "server_gone"}]
+    endpoint = f"127.0.0.1:{port}"
+    try:
+        with pytest.raises(Exception) as info:
+            _fit(tmp_path, s3, "gone", faults, workers=2, max_failures=0, endpoint=endpoint)
+        message = str(info.value)
+        print("error:", message[-600:])
+        assert f"s3://{BUCKET}/runs/gone" in message
+        assert "testing" not in message  # the access and secret keys
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        result, _ = _fit(tmp_path, s3, "gone", faults, workers=2, endpoint=endpoint)
+    finally:
+        server.stop()
+    assert _attempts(fault_dir)[-1]["resumed_from"] == 2
+    assert result.metrics["step"] == STEPS
+
+
+def _stop_when_asked(server, fault_dir: Path) -> None:
+    while not (fault_dir / "stop_server").exists():
+        time.sleep(0.05)
+    server.stop()
