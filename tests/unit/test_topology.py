@@ -105,3 +105,20 @@ def test_process_group_backend_choice():
     offload = FSDPConfig(use_fsdp=True, fsdp_cpu_offload=True)
     assert resolve_pg_backend(offload, uses_gpu=True) == "cuda:nccl,cpu:gloo"
     assert resolve_pg_backend(FSDPConfig(backend="gloo"), uses_gpu=True) == "gloo"
+
+
+@pytest.mark.parametrize("use_gpu", [True, False])
+def test_offload_keeps_its_cpu_backend_through_a_real_torch_trainer(use_gpu):
+    # TorchTrainer assigns torch_config.backend = "nccl" / "gloo" when it is unset.
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cfg = FSDPConfig(use_fsdp=True, fsdp_cpu_offload=True)
+    TorchTrainer(
+        lambda c: None,
+        torch_config=cfg,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=use_gpu),
+    )
+    assert cfg.backend == ("nccl" if use_gpu else "gloo")  # what Ray did
+    expected = "cuda:nccl,cpu:gloo" if use_gpu else "gloo"
+    assert resolve_pg_backend(cfg, uses_gpu=use_gpu) == expected
