@@ -161,7 +161,8 @@ class FSDPStrategy(DistributionStrategy):
             model = apply_fsdp(model, blocks, self.mesh, policy)
         if has_meta_tensors(model):
             # Offloaded shards live on the host; FSDP2 moves them per use.
-            materialize_meta_module(model, "cpu" if policy.offloads else self.device)
+            param_device = "cpu" if policy.offloads else self.device
+            materialize_meta_module(model, param_device, buffer_device=self.device)
         return model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
