@@ -83,7 +83,16 @@ def resolve_fsdp_policy(config: FSDPSettings, device: torch.device) -> FSDPPolic
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, policy: FSDPPolicy) -> nn.Module:
     """``fully_shard`` every block, then the root (which takes the rest:
-    embeddings, tied output head, final norm)."""
+    embeddings, tied output head, final norm). Without blocks the whole model
+    is one unit, gathered whole on every rank in forward: that is warned."""
+    if not blocks:
+        _logger.warning(
+            "ray_fsdp_backend: no blocks found in %s (no nn.ModuleList children and "
+            "fsdp_block_classes unset): the whole model is ONE FSDP unit and every rank "
+            "gathers all its parameters in forward. Set fsdp_block_classes to the class "
+            "names of its repeated blocks.",
+            type(model).__name__,
+        )
     kwargs = dict(
         mesh=mesh,
         mp_policy=policy.mp_policy,
