@@ -99,6 +99,11 @@ class FSDPSettings:
     replicates across the groups; ``full_shard`` shards over all ranks (1-D
     mesh, cross-node traffic). Equal nodes are unaffected."""
 
+    fsdp_hsdp_shard_across_nodes: bool = False
+    """With an explicit ``fsdp_hsdp_replicate_size``: allow ``dp_shard`` groups
+    that span nodes (their all-gathers and reduce-scatters then cross the
+    slower inter-node network). False refuses such a layout at start."""
+
     fsdp_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in pinned CPU
     memory (``CPUOffloadPolicy``). Needs GPU workers; CPU workers have nothing
@@ -208,6 +213,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "fsdp_sharding_strategy": (str,),
     "fsdp_hsdp_replicate_size": (int, type(None)),
     "hsdp_uneven_nodes": (str,),
+    "fsdp_hsdp_shard_across_nodes": (bool,),
     "fsdp_cpu_offload": (bool,),
     "use_mixed_precision": (bool,),
     "bf16": (bool,),
