@@ -236,8 +236,25 @@ def find_latest(store: CheckpointStore) -> str | None:
 
 def _state_to_save(model: nn.Module, optimizer) -> dict[str, Any]:
     optimizers = [optimizer] if optimizer is not None else []
+    fresh = optimizer is not None and not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizers)
+    if fresh:
+        # get_state_dict initialises a fresh optimizer's state with one lr-0 step
+        # on zero gradients (torch 2.13): its moments stay zero but step counts
+        # become 1, which would change the next real step's bias correction.
+        _reset_step_counts(optimizer.state.values())
+        _reset_step_counts(optim_sd.get("state", {}).values())
     return {"model": model_sd, "optim": optim_sd} if optimizers else {"model": model_sd}
+
+
+def _reset_step_counts(states) -> None:
+    """Step counters of optimizer states back to 0, as before any step."""
+    for state in states:
+        step = state.get("step") if isinstance(state, Mapping) else None
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
 
 
 # A fresh optimizer has no state yet; get_state_dict initialises it (a zero-lr
