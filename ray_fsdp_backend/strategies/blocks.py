@@ -191,6 +191,7 @@ def _check_resettable(model: nn.Module) -> None:
     if uninitialisable:
         raise ValueError(
             f"{type(model).__name__} was built on the meta device but has no "
-            f"init_weights(), and {uninitialisable} hold meta parameters or buffers "
-            "without reset_parameters(): their values would be uninitialised memory"
+            f"init_weights(), and {uninitialisable} have parameters without "
+            "reset_parameters() (or meta buffers nothing would fill): their values "
+            "would be uninitialised memory"
         )
