@@ -120,6 +120,14 @@ class FSDPSettings:
     """Dtype of FSDP gradient reduction under mixed precision: ``fp32``, or
     ``bf16`` meaning the compute dtype (the seed's semantics)."""
 
+    fsdp_accumulate_unsharded: bool = False
+    """What ``no_sync`` does under FSDP. False: every micro-batch's gradients
+    are still reduce-scattered, so each rank only ever holds its gradient
+    shard (HSDP skips only the cross-replica all-reduce until the synced
+    micro-batch). True: skip the reduce-scatter too and accumulate full,
+    unsharded gradients on every rank (less communication, but memory for the
+    whole model's gradients; ``ray-fsdp plan`` counts it)."""
+
     use_gradient_checkpointing: bool = False
     """Recompute activations in backward: the model's own
     ``gradient_checkpointing_enable()`` when it has one, otherwise activation
@@ -218,6 +226,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "use_mixed_precision": (bool,),
     "bf16": (bool,),
     "fsdp_reduce_dtype": (str,),
+    "fsdp_accumulate_unsharded": (bool,),
     "use_gradient_checkpointing": (bool,),
     "find_unused_parameters": (bool,),
     "broadcast_buffers": (bool,),

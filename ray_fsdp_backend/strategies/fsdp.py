@@ -9,6 +9,7 @@ replicates over the first. Everything the config says is resolved into one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -110,19 +111,22 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 @contextmanager
-def no_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """Skip reduce-scatter (and the HSDP all-reduce) on every FSDP module of
-    ``model``: gradients accumulate unsharded until the next synced backward.
+def no_gradient_sync(model: nn.Module, *, unsharded: bool = True) -> Iterator[None]:
+    """Defer gradient reduction on every FSDP module of ``model`` until the
+    next synced backward. ``unsharded``: skip the reduce-scatter (and the HSDP
+    all-reduce), accumulating full gradients on every rank; otherwise only
+    the HSDP cross-replica all-reduce is skipped and gradients stay sharded.
     Works for models sharded by a ``convert_to_fsdp`` hook, whose root need
     not be an FSDP module."""
     modules = fsdp_modules(model)
+    switch = "set_requires_gradient_sync" if unsharded else "set_requires_all_reduce"
     for m in modules:
-        m.set_requires_gradient_sync(False, recurse=False)
+        getattr(m, switch)(False, recurse=False)
     try:
         yield
     finally:
         for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
+            getattr(m, switch)(True, recurse=False)
 
 
 class FSDPStrategy(DistributionStrategy):
@@ -175,4 +179,11 @@ class FSDPStrategy(DistributionStrategy):
         return model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return no_gradient_sync(model)
+        """Accumulation micro-batches. By default gradients are reduce-scattered
+        every micro-batch and stay sharded (1-D mesh: nothing to defer; HSDP:
+        only the cross-replica all-reduce waits); ``fsdp_accumulate_unsharded``
+        defers the reduce-scatter too, holding full gradients on every rank."""
+        unsharded = self.config.fsdp_accumulate_unsharded
+        if not unsharded and (self.mesh is None or self.mesh.ndim == 1):
+            return contextlib.nullcontext()
+        return no_gradient_sync(model, unsharded=unsharded)
