@@ -2,8 +2,10 @@
 
 Its fields are the seed strategy's config keys plus the backend's own. Every
 field is checked when the object is built, in the driver, before any worker
-exists; checks that need the cluster layout run first thing in
-``Backend.on_start`` (see :mod:`ray_fsdp_backend.topology`).
+exists (Ray's ``TorchTrainer`` later fills an unset ``backend``, which
+:func:`ray_fsdp_backend.backend.resolve_pg_backend` accounts for); checks
+that need the cluster layout run first thing in ``Backend.on_start`` (see
+:mod:`ray_fsdp_backend.topology`).
 
 This module is the bottom of the package: it imports nothing from it, and
 nothing from Ray. Ray's ``TorchConfig`` contract asks the config for its

@@ -22,7 +22,8 @@ class DistributionStrategy(ABC):
     """Wraps a model for one kind of data parallelism and runs the gradient
     operations that depend on it.
 
-    Subclasses differ only in ``wrap``, ``no_sync`` and ``params_sharded``;
+    Subclasses differ in ``wrap``, ``no_sync``, ``params_sharded`` and
+    ``autocast`` (DDP mixes precision there; FSDP2 through its policy);
     clipping is the same global-norm clip for all of them.
     """
 
