@@ -9,6 +9,9 @@
    by hand with ``fully_shard``, alternating, with their ratio.
 3. Newton-Schulz TFLOP/s in bf16 for the batch shapes DMuon orthogonalises in
    that model (all layers' matrices of one shape in one call).
+4. CPU offload + HSDP + DMuon through ``build_strategy`` on the process group
+   the backend would create (``cuda:nccl,cpu:gloo``): a few steps train with
+   finite losses, shards stay on the host, buffers sit on the GPU.
 
 Without a CUDA GPU it prints why and exits 0, so it runs unchanged wherever
 it is started. ``--out`` writes the results as JSON. ``--cpu`` runs the same
@@ -44,9 +47,14 @@ def init_single_rank(device: torch.device) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
+    from ray_fsdp_backend import FSDPConfig
+    from ray_fsdp_backend.backend import resolve_pg_backend
+
     on_gpu = device.type == "cuda"
+    # The backend string the Ray backend resolves under CPU offload (check 4).
+    offload = FSDPConfig(use_fsdp=True, fsdp_cpu_offload=True)
     dist.init_process_group(
-        "nccl" if on_gpu else "gloo",
+        resolve_pg_backend(offload, uses_gpu=on_gpu),
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=120),
@@ -196,6 +204,41 @@ def newton_schulz(preset: dict, device: torch.device, *, reps: int) -> list[dict
     return rows
 
 
+def offload_hsdp_dmuon(preset: dict, device: torch.device, *, batch: int, steps: int) -> dict:
+    """A few DMuon steps of the example decoder under HSDP with CPU offload."""
+    import math
+
+    from benchmarks import _workload
+    from ray_fsdp_backend import FSDPConfig, build_strategy
+    from ray_fsdp_backend.dmuon.optimizer import Muon
+    from ray_fsdp_backend.example.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(**preset)
+    config = FSDPConfig(use_fsdp=True, fsdp_sharding_strategy="hybrid_shard",
+                        fsdp_cpu_offload=True, use_dmuon=True)  # fmt: skip
+    strategy = build_strategy(config, device=device, local_rank=0)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = strategy.wrap(model)
+    opt = Muon(model, lr=0.02)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device=device)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = _workload.loss_fn(model, tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        strategy.clip_grad_norm(model, 1.0, optimizer=opt)
+        opt.step()
+        losses.append(float(loss))
+    return {
+        "backend": str(dist.get_backend()),
+        "losses": losses,
+        "finite": all(math.isfinite(x) for x in losses),
+        "shard_devices": sorted({p.to_local().device.type for p in model.parameters()}),
+        "buffer_devices": sorted({b.device.type for b in model.buffers()}),
+    }
+
+
 def run(preset: dict, device: torch.device, *, batch: int, steps: int, reps: int) -> dict:
     """Every GPU measurement (also runs on CPU with tiny sizes, for the smoke test)."""
     init_single_rank(device)
@@ -204,6 +247,7 @@ def run(preset: dict, device: torch.device, *, batch: int, steps: int, reps: int
             "process_group": process_group_check(device),
             "throughput": throughput(preset, device, batch=batch, steps=steps, reps=reps),
             "newton_schulz_bf16": newton_schulz(preset, device, reps=reps),
+            "offload_hsdp_dmuon": offload_hsdp_dmuon(preset, device, batch=batch, steps=steps),
         }
     finally:
         dist.destroy_process_group()

@@ -53,12 +53,17 @@ class FSDPConfig(FSDPSettings, TorchConfig):
 def resolve_pg_backend(config: FSDPSettings, uses_gpu: bool) -> str:
     """``torch.distributed`` backend string. NCCL on GPUs, with a gloo CPU
     backend beside it when CPU offload keeps gradients on the host (clipping
-    then reduces CPU tensors); gloo on CPU."""
-    if config.backend is not None:
-        return config.backend
-    if not uses_gpu:
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if config.fsdp_cpu_offload else "nccl"
+    then reduces CPU tensors); gloo on CPU.
+
+    Ray's ``TorchTrainer`` fills an unset ``backend`` with ``"nccl"`` (or
+    ``"gloo"``) before the backend sees the config (Ray 2.60), so a bare
+    ``"nccl"`` under offload gets the CPU backend too, whoever wrote it: NCCL
+    alone cannot reduce the host-side gradients.
+    """
+    backend = config.backend or ("nccl" if uses_gpu else "gloo")
+    if uses_gpu and config.fsdp_cpu_offload and backend == "nccl":
+        return "cuda:nccl,cpu:gloo"
+    return backend
 
 
 class FSDPBackend(Backend):

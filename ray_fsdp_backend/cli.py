@@ -234,6 +234,7 @@ def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:
         mixed_precision=cfg.use_mixed_precision,
         reduce_fp32=cfg.fsdp_reduce_dtype == "fp32",
         cpu_offload=cfg.fsdp_cpu_offload,
+        accumulate_unsharded=cfg.fsdp_accumulate_unsharded,
     )
     lines = [
         f"model:    {size.num_params / 1e6:,.1f}M parameters ({model.n_layers} blocks of "
@@ -242,7 +243,8 @@ def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:
         f"  parameters  {format_bytes(est.params):>10}",
         f"  gradients   {format_bytes(est.grads):>10}",
         f"  optimizer   {format_bytes(est.optimizer):>10}",
-        f"  transient   {format_bytes(est.transient):>10}  (unsharded blocks / buffers)",
+        f"  transient   {format_bytes(est.transient):>10}  (unsharded blocks / buffers"
+        + (", unsharded no_sync gradients)" if cfg.fsdp_accumulate_unsharded else ")"),
         f"  total       {format_bytes(est.total):>10}",
     ]
     if est.host:

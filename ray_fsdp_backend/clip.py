@@ -14,6 +14,13 @@ are bucketed by (mesh, sharded axes) so the number of collectives is the
 number of such buckets (one for a plain FSDP model), never the number of
 tensors. Plain gradients are taken as replicated: DDP has already
 all-reduced them, so every rank holds the same values.
+
+The coefficient follows ``torch.nn.utils.clip_grad_norm_`` exactly:
+``min(1, max_norm / (norm + eps))`` as a tensor, applied to every gradient
+without a host synchronisation. A non-finite norm therefore gives a
+coefficient of 0 (or NaN), as in torch: the step must not be taken, and the
+caller checks ``torch.isfinite(norm)`` to skip it (the example loop does).
+``max_norm=None`` measures the norm and scales nothing.
 """
 
 from __future__ import annotations
@@ -33,17 +40,21 @@ class ClipStats:
     total_norm: torch.Tensor
     """Global L2 norm before clipping: a plain 0-d float32 tensor, equal on
     every rank."""
-    clip_coef: float
-    """The factor every gradient was multiplied by (1.0: not clipped)."""
-    finite: bool
-    """False when the norm was inf/NaN: gradients were then left unscaled."""
+    clip_coef: torch.Tensor
+    """The 0-d factor every gradient was multiplied by (1.0: not clipped)."""
     num_tensors: int
     num_collectives: int
 
+    @property
+    def finite(self) -> bool:
+        """Whether the norm was finite (a host sync: read it only when needed)."""
+        return bool(torch.isfinite(self.total_norm))
+
     def as_dict(self) -> dict[str, float]:
+        """Every field as a Python float (synchronises with the device)."""
         return {
             "total_norm": float(self.total_norm),
-            "clip_coef": self.clip_coef,
+            "clip_coef": float(self.clip_coef),
             "finite": float(self.finite),
             "num_tensors": float(self.num_tensors),
             "num_collectives": float(self.num_collectives),
@@ -114,30 +125,41 @@ def _bucket_order(item) -> tuple:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, *, eps: float = 1e-6
+    parameters: Iterable[torch.Tensor], max_norm: float | None, *, eps: float = 1e-6
 ) -> ClipStats:
     """Scale all gradients in place so that their global L2 norm is at most
-    ``max_norm``.
+    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on one process.
 
-    A non-finite norm leaves every gradient as it is (the caller decides
-    whether to skip the step) and is reported in ``ClipStats.finite``.
+    ``max_norm=None`` (or ``inf``) only measures the norm. The coefficient
+    stays a tensor: no host synchronisation. A non-finite norm scales the
+    gradients by 0 or NaN, as torch does; skip the optimizer step then.
 
     Raises:
-        ValueError: ``max_norm`` is not a positive finite number.
+        ValueError: ``max_norm`` is not None and not a positive number.
     """
-    if not (max_norm > 0 and max_norm != float("inf")):
-        raise ValueError(f"max_norm={max_norm!r} must be a positive finite number")
+    if max_norm is not None and not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be positive, or None for no clipping")
     entries = [_norm_input(g) for g in unique_grads(parameters)]
     sq, collectives = _global_sq_norm(entries)
     total = sq.sqrt()
-    finite = bool(torch.isfinite(total))
-    coef = min(1.0, max_norm / (float(total) + eps)) if finite else 1.0
-    if coef < 1.0:
-        torch._foreach_mul_([to_scale for _, _, to_scale in entries], coef)
+    if max_norm is None or max_norm == float("inf"):
+        coef = torch.ones((), dtype=torch.float32, device=total.device)
+    else:
+        coef = torch.clamp(max_norm / (total + eps), max=1.0)
+        _scale_by(coef, [to_scale for _, _, to_scale in entries])
     return ClipStats(
         total_norm=total.detach(),
         clip_coef=coef,
-        finite=finite,
         num_tensors=len(entries),
         num_collectives=collectives,
     )
+
+
+def _scale_by(coef: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Multiply ``tensors`` by the 0-d ``coef``, one foreach call per device
+    (gradients offloaded to the host and the norm on the GPU differ)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))

@@ -2,8 +2,10 @@
 
 Its fields are the seed strategy's config keys plus the backend's own. Every
 field is checked when the object is built, in the driver, before any worker
-exists; checks that need the cluster layout run first thing in
-``Backend.on_start`` (see :mod:`ray_fsdp_backend.topology`).
+exists (Ray's ``TorchTrainer`` later fills an unset ``backend``, which
+:func:`ray_fsdp_backend.backend.resolve_pg_backend` accounts for); checks
+that need the cluster layout run first thing in ``Backend.on_start`` (see
+:mod:`ray_fsdp_backend.topology`).
 
 This module is the bottom of the package: it imports nothing from it, and
 nothing from Ray. Ray's ``TorchConfig`` contract asks the config for its
@@ -99,6 +101,11 @@ class FSDPSettings:
     replicates across the groups; ``full_shard`` shards over all ranks (1-D
     mesh, cross-node traffic). Equal nodes are unaffected."""
 
+    fsdp_hsdp_shard_across_nodes: bool = False
+    """With an explicit ``fsdp_hsdp_replicate_size``: allow ``dp_shard`` groups
+    that span nodes (their all-gathers and reduce-scatters then cross the
+    slower inter-node network). False refuses such a layout at start."""
+
     fsdp_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in pinned CPU
     memory (``CPUOffloadPolicy``). Needs GPU workers; CPU workers have nothing
@@ -114,6 +121,14 @@ class FSDPSettings:
     fsdp_reduce_dtype: str = "bf16"
     """Dtype of FSDP gradient reduction under mixed precision: ``fp32``, or
     ``bf16`` meaning the compute dtype (the seed's semantics)."""
+
+    fsdp_accumulate_unsharded: bool = False
+    """What ``no_sync`` does under FSDP. False: every micro-batch's gradients
+    are still reduce-scattered, so each rank only ever holds its gradient
+    shard (HSDP skips only the cross-replica all-reduce until the synced
+    micro-batch). True: skip the reduce-scatter too and accumulate full,
+    unsharded gradients on every rank (less communication, but memory for the
+    whole model's gradients; ``ray-fsdp plan`` counts it)."""
 
     use_gradient_checkpointing: bool = False
     """Recompute activations in backward: the model's own
@@ -208,10 +223,12 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "fsdp_sharding_strategy": (str,),
     "fsdp_hsdp_replicate_size": (int, type(None)),
     "hsdp_uneven_nodes": (str,),
+    "fsdp_hsdp_shard_across_nodes": (bool,),
     "fsdp_cpu_offload": (bool,),
     "use_mixed_precision": (bool,),
     "bf16": (bool,),
     "fsdp_reduce_dtype": (str,),
+    "fsdp_accumulate_unsharded": (bool,),
     "use_gradient_checkpointing": (bool,),
     "find_unused_parameters": (bool,),
     "broadcast_buffers": (bool,),

@@ -57,9 +57,14 @@ class TrainContext:
         return self.strategy.wrap(model)
 
     def clip_grad_norm(
-        self, model: nn.Module, max_norm: float, *, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: nn.Module,
+        max_norm: float | None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
-        """One global-norm clip over all gradients; returns the pre-clip norm."""
+        """One global-norm clip over all gradients (``max_norm=None``: measure
+        only); returns the pre-clip norm. Skip the step when it is not finite."""
         return self.strategy.clip_grad_norm(model, max_norm, optimizer=optimizer)
 
     def no_sync(self, model: nn.Module):

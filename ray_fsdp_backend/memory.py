@@ -86,6 +86,7 @@ def estimate_memory(
     mixed_precision: bool = True,
     reduce_fp32: bool = False,
     cpu_offload: bool = False,
+    accumulate_unsharded: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU bytes of model state for one strategy; ``strategy=None`` is DDP.
 
@@ -98,6 +99,8 @@ def estimate_memory(
         mixed_precision: compute in a 16-bit dtype (unsharded copies are 2 bytes).
         reduce_fp32: reduce gradients in fp32 even under mixed precision.
         cpu_offload: keep sharded state in host memory (FSDP only).
+        accumulate_unsharded: ``no_sync`` keeps every unit's full gradient
+            (``r N`` more, transient across micro-batches; FSDP only).
 
     Raises:
         ValueError: unknown optimizer, or ``shard_size`` < 1.
@@ -115,6 +118,8 @@ def estimate_memory(
     else:
         unsharded = compute * n
     transient = unsharded + reduce * size.largest_unit_params
+    if accumulate_unsharded:
+        transient += reduce * n
     sharded = MemoryEstimate(
         params=math.ceil(FP32_BYTES * n / shard_size),
         grads=math.ceil(FP32_BYTES * n / shard_size),

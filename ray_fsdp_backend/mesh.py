@@ -36,7 +36,11 @@ def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
     for an impossible layout). Logs when ``hsdp_uneven_nodes`` chose it."""
     strategy = config.sharding_strategy if config.use_fsdp else None
     layout = compute_mesh_layout(
-        strategy, topology, config.fsdp_hsdp_replicate_size, config.hsdp_uneven_nodes
+        strategy,
+        topology,
+        config.fsdp_hsdp_replicate_size,
+        config.hsdp_uneven_nodes,
+        shard_across_nodes=config.fsdp_hsdp_shard_across_nodes,
     )
     uneven = strategy is not None and strategy.is_hybrid and not topology.is_uniform
     if uneven and config.fsdp_hsdp_replicate_size is None:

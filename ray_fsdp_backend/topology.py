@@ -144,6 +144,8 @@ def compute_mesh_layout(
     topology: Topology,
     replicate_size: int | None = None,
     uneven_nodes: str = "error",
+    *,
+    shard_across_nodes: bool = False,
 ) -> MeshLayout:
     """The mesh for a strategy on a cluster; ``strategy=None`` means DDP.
 
@@ -155,9 +157,13 @@ def compute_mesh_layout(
     ``split_nodes`` shards over groups of ``gcd(workers per node)`` ranks,
     each inside one node, and ``full_shard`` uses a 1-D mesh over all ranks.
 
+    An explicit ``replicate_size`` whose ``dp_shard`` groups would span nodes
+    is refused unless ``shard_across_nodes``.
+
     Raises:
-        ValueError: HSDP on unequal nodes under ``uneven_nodes="error"``, or a
-            ``replicate_size`` that does not divide the world size.
+        ValueError: HSDP on unequal nodes under ``uneven_nodes="error"``, a
+            ``replicate_size`` that does not divide the world size, or shard
+            groups that leave a node without ``shard_across_nodes``.
     """
     order = topology.ranks_node_major
     if strategy is None:
@@ -170,7 +176,21 @@ def compute_mesh_layout(
     replicate = resolve_replicate_size(topology, replicate_size, uneven_nodes)
     shard = topology.world_size // replicate
     rows = tuple(order[i * shard : (i + 1) * shard] for i in range(replicate))
+    if not shard_across_nodes:
+        _check_shard_groups_in_nodes(topology, rows, replicate)
     return MeshLayout(axis_names=(REPLICATE_AXIS, SHARD_AXIS), grid=rows)
+
+
+def _check_shard_groups_in_nodes(topology: Topology, rows, replicate: int) -> None:
+    for group in rows:
+        nodes = sorted({topology.node_rank(rank) for rank in group})
+        if len(nodes) > 1:
+            raise ValueError(
+                f"fsdp_hsdp_replicate_size={replicate} makes dp_shard group {tuple(group)} "
+                f"span nodes {nodes} (workers per node: {list(topology.workers_per_node)}); "
+                "HSDP shards inside a node. Choose a replicate size whose shard groups fit "
+                "in a node, or set fsdp_hsdp_shard_across_nodes: true if this is intended."
+            )
 
 
 def _check_uneven_policy(topology: Topology, uneven_nodes: str) -> str:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ray_fsdp_backend.checkpoint.buffers import rank_buffers, restore_rank_buffers
 from ray_fsdp_backend.checkpoint.layout import (
     compute_key_mismatch,
     encode_marker,
@@ -100,7 +101,7 @@ def save_sharded(
             weights_only=True)`` cannot read back (checked before writing).
         CheckpointStorageError: the store failed; the message names it.
     """
-    name = _begin_save(store, extra_state)
+    name = _begin_save(store, extra_state, model)
     with naming_store(store, name, "writing"):
         dcp.save(_state_to_save(model, optimizer), storage_writer=dcp_writer(store, name))
     dist.barrier()
@@ -110,9 +111,12 @@ def save_sharded(
     return name
 
 
-def _begin_save(store: CheckpointStore, extra_state: Mapping[str, Any] | None) -> str:
-    """Agree on the new checkpoint's name and write this rank's extra state."""
-    payload = encode_extra_state(extra_state)
+def _begin_save(
+    store: CheckpointStore, extra_state: Mapping[str, Any] | None, model: nn.Module
+) -> str:
+    """Agree on the new checkpoint's name and write this rank's extra state
+    (with its own buffers: DCP keeps one copy of a plain tensor)."""
+    payload = encode_extra_state(extra_state, rank_buffers(model))
     with naming_store(store, "(new)", "naming"):
         name = broadcast_from_rank0(lambda: next_checkpoint_name(store.list_checkpoints()))
     with naming_store(store, name, "writing"):
@@ -179,7 +183,7 @@ def start_async_save(
     global _ASYNC_GROUP
     if _ASYNC_GROUP is None:  # async_save needs a CPU group; its own keeps it off training's
         _ASYNC_GROUP = dist.new_group(backend="gloo")
-    name = _begin_save(store, extra_state)
+    name = _begin_save(store, extra_state, model)
     future = dcp.async_save(
         _state_to_save(model, optimizer),
         storage_writer=dcp_writer(store, name),
@@ -223,6 +227,7 @@ def load_sharded(
     _set_state(model, optimizer, state)
     if own:
         restore_rng_state(extra["rng"])
+        restore_rank_buffers(model, extra.get("buffers", {}))
     return dict(extra["user"])
 
 
@@ -236,8 +241,25 @@ def find_latest(store: CheckpointStore) -> str | None:
 
 def _state_to_save(model: nn.Module, optimizer) -> dict[str, Any]:
     optimizers = [optimizer] if optimizer is not None else []
+    fresh = optimizer is not None and not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizers)
+    if fresh:
+        # get_state_dict initialises a fresh optimizer's state with one lr-0 step
+        # on zero gradients (torch 2.13): its moments stay zero but step counts
+        # become 1, which would change the next real step's bias correction.
+        _reset_step_counts(optimizer.state.values())
+        _reset_step_counts(optim_sd.get("state", {}).values())
     return {"model": model_sd, "optim": optim_sd} if optimizers else {"model": model_sd}
+
+
+def _reset_step_counts(states) -> None:
+    """Step counters of optimizer states back to 0, as before any step."""
+    for state in states:
+        step = state.get("step") if isinstance(state, Mapping) else None
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
 
 
 # A fresh optimizer has no state yet; get_state_dict initialises it (a zero-lr
@@ -323,15 +345,19 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-def encode_extra_state(extra_state: Mapping[str, Any] | None) -> bytes:
-    """This rank's extra-state file: the caller's state and the RNG state.
+def encode_extra_state(
+    extra_state: Mapping[str, Any] | None, buffers: Mapping[str, torch.Tensor] | None = None
+) -> bytes:
+    """This rank's extra-state file: the caller's state, the RNG state and
+    this rank's buffers (see :mod:`.buffers`).
 
     Raises:
         ValueError: it would not load with ``weights_only=True`` (only
             tensors, numbers, strings, None and lists/tuples/dicts of them).
     """
     buf = io.BytesIO()
-    torch.save({"user": dict(extra_state or {}), "rng": capture_rng_state()}, buf)
+    state = {"user": dict(extra_state or {}), "rng": capture_rng_state()}
+    torch.save({**state, "buffers": dict(buffers or {})}, buf)
     data = buf.getvalue()
     try:
         torch.load(io.BytesIO(data), weights_only=True)

@@ -55,7 +55,7 @@ def no_sync(model: nn.Module) -> AbstractContextManager:
     return no_gradient_sync(model)
 
 
-def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float) -> ClipStats:
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float | None) -> ClipStats:
     """Clip the gradients of all of ``optimizer``'s parameters (Muon and AdamW
     groups) to one global L2 norm of at most ``max_norm``; see
     :func:`ray_fsdp_backend.clip.clip_grad_norm_`."""

@@ -128,8 +128,9 @@ class Muon(torch.optim.Optimizer):
         self.plan: OwnershipPlan = compute_ownership_plan(
             specs, self.shard_group.size, bucket_numel
         )
-        # Newton–Schulz and both exchanges run where the parameters live.
-        device = _local(dedicated[0][1]).device if dedicated else torch.device("cpu")
+        # Newton–Schulz and both exchanges run where compute runs (the GPU also
+        # when CPU offload keeps the shards on the host).
+        device = _ns_device(dedicated[0][1]) if dedicated else torch.device("cpu")
         self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
         self._exchange.verify_consistent(_shard_rows_error(dedicated, self.plan, self.shard_group))
         muon_hyper = dict(
@@ -179,7 +180,7 @@ class Muon(torch.optim.Optimizer):
             local = _local(p)
             local.mul_(1 - lr * group["weight_decay"])
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], spec.shape)
-            local.add_(updates[i], alpha=-adjusted_lr)
+            local.add_(updates[i].to(local.device), alpha=-adjusted_lr)  # offload: host shard
         self.last_step_stats = DMuonStepStats(
             orthogonalized=tuple(self.plan.matrices[i].name for i in owned),
             ns_calls=ns_calls,
@@ -309,6 +310,20 @@ def _param_groups(model, dedicated, muon_hyper: dict, adamw) -> list[dict]:
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
     return groups
+
+
+def resolve_ns_device(shard_device: torch.device, mesh_device_type: str) -> torch.device:
+    """Where Newton–Schulz runs: the shard's device, unless the mesh computes
+    on another (CPU offload keeps shards on the host while the mesh is on the
+    GPU): then the mesh's device type, i.e. this rank's current accelerator."""
+    if shard_device.type == mesh_device_type:
+        return shard_device
+    return torch.device(mesh_device_type)
+
+
+def _ns_device(param: torch.Tensor) -> torch.device:
+    mesh_type = param.device_mesh.device_type if isinstance(param, DTensor) else None
+    return resolve_ns_device(_local(param).device, mesh_type or _local(param).device.type)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,9 @@ class TrainOptions:
     """Linear warmup steps."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (2-D weights only)."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping (the norm is still reported)."""
+    max_grad_norm: float | None = 1.0
+    """Global gradient-norm clip; 0 or null disables clipping (the norm is still
+    reported). A step whose norm is not finite is skipped and logged."""
     seed: int = 0
     """Fixes initialisation and the data order."""
     optimizer: str = "adamw"
@@ -310,6 +311,8 @@ def _build_options(cls: type, values: Mapping[str, Any]) -> Any:
 
 
 def _check_option(key: str, value: Any) -> None:
+    if key == "max_grad_norm" and value is None:  # null, like 0: no clipping
+        return
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if key in _POSITIVE_INTS and not (is_number and isinstance(value, int) and value > 0):
         raise ValueError(f"{key}={value!r} must be a positive int")

@@ -150,9 +150,12 @@ def train_step(
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             loss.backward()
         total += loss.detach()
-    max_norm = spec.train.max_grad_norm or math.inf
-    grad_norm = ctx.clip_grad_norm(model, max_norm, optimizer=optimizer)
-    optimizer.step()
+    # max_grad_norm 0 (or null): no clipping, the norm is still measured.
+    grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    else:  # every rank sees the same global norm, so all skip together
+        _logger.warning("step skipped: gradient norm is %s", float(grad_norm))
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm
 

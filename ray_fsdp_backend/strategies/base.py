@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.clip import ClipStats, clip_grad_norm_
 
 if TYPE_CHECKING:
     # Imported for types only: config.py imports Ray, which DMuon and the
@@ -22,7 +22,8 @@ class DistributionStrategy(ABC):
     """Wraps a model for one kind of data parallelism and runs the gradient
     operations that depend on it.
 
-    Subclasses differ only in ``wrap``, ``no_sync`` and ``params_sharded``;
+    Subclasses differ in ``wrap``, ``no_sync``, ``params_sharded`` and
+    ``autocast`` (DDP mixes precision there; FSDP2 through its policy);
     clipping is the same global-norm clip for all of them.
     """
 
@@ -30,7 +31,7 @@ class DistributionStrategy(ABC):
         self.config = config
         self.device = device
         self.mesh = mesh
-        self.last_grad_clip_stats: dict | None = None
+        self._last_clip: ClipStats | None = None
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -52,22 +53,30 @@ class DistributionStrategy(ABC):
         parameters through its ``MixedPrecisionPolicy``, so this is a no-op."""
         return contextlib.nullcontext()
 
+    @property
+    def last_grad_clip_stats(self) -> dict[str, float] | None:
+        """The last ``clip_grad_norm`` call's ``ClipStats`` as floats (reading
+        it synchronises with the device; clipping itself does not)."""
+        return None if self._last_clip is None else self._last_clip.as_dict()
+
     def clip_grad_norm(
         self,
         model: torch.nn.Module,
-        max_norm: float,
+        max_norm: float | None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
         """Clip all gradients of ``model`` (and of ``optimizer``'s parameters,
-        when given) to one global L2 norm of at most ``max_norm``.
+        when given) to one global L2 norm of at most ``max_norm`` (None: only
+        measure it).
 
         Returns the global norm before clipping, a 0-d float32 tensor equal on
-        every rank. Details of the last call are in ``last_grad_clip_stats``.
+        every rank; when it is not finite, skip the optimizer step (see
+        :mod:`ray_fsdp_backend.clip`). Details of the last call are in
+        ``last_grad_clip_stats``.
         """
         params = list(model.parameters())
         if optimizer is not None:
             params += [p for group in optimizer.param_groups for p in group["params"]]
-        stats = clip_grad_norm_(params, max_norm)
-        self.last_grad_clip_stats = stats.as_dict()
-        return stats.total_norm
+        self._last_clip = clip_grad_norm_(params, max_norm)
+        return self._last_clip.total_norm

@@ -123,43 +123,44 @@ def _shared_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]
     return [s for s in slots.values() if len(s) > 1]
 
 
-def materialize_meta_module(model: nn.Module, device: torch.device | str) -> None:
-    """Allocate a meta-device model's (possibly sharded) storage on ``device``
-    and initialise it: the model's ``init_weights()`` when it has one, else
-    every submodule's ``reset_parameters()``.
+def materialize_meta_module(
+    model: nn.Module, device: torch.device | str, *, buffer_device: torch.device | str | None = None
+) -> None:
+    """Allocate a meta-device model's (possibly sharded) storage and initialise
+    it: the model's ``init_weights()`` when it has one, else every submodule's
+    ``reset_parameters()``.
 
     Run after sharding, so each rank allocates and initialises only its own
-    shard and no rank ever holds the full model. ``init_weights()`` must also
-    recompute non-persistent buffers (rotary tables): ``to_empty`` leaves them
-    uninitialised.
+    shard and no rank ever holds the full model. Parameters go to ``device``
+    (the host under CPU offload: FSDP2 moves them per use), buffers to
+    ``buffer_device`` (default ``device``): FSDP2 never moves buffers, so they
+    live where compute runs. ``init_weights()`` must also recompute
+    non-persistent buffers (rotary tables): allocation leaves them garbage.
+
+    Only meta tensors are allocated: tensors that already hold values (a
+    partly-meta model) keep them, also through the initialisation.
 
     Raises:
         ValueError: the model has no ``init_weights()`` and some module holds
-            parameters but has no ``reset_parameters()``; nothing is allocated.
+            meta parameters or buffers but has no ``reset_parameters()``;
+            nothing is allocated.
     """
     init = getattr(model, "init_weights", None)
     if not callable(init):
-        uninitialisable = sorted(
-            {
-                type(m).__name__
-                for m in model.modules()
-                if not callable(getattr(m, "reset_parameters", None))
-                and any(True for _ in m.parameters(recurse=False))
-            }
-        )
-        if uninitialisable:
-            raise ValueError(
-                f"{type(model).__name__} was built on the meta device but has no "
-                f"init_weights(), and {uninitialisable} have parameters without "
-                "reset_parameters(): their values would be uninitialised memory"
-            )
+        _check_resettable(model)
     tied = _shared_parameter_slots(model)
-    model.to_empty(device=device)
-    # to_empty allocates one new tensor per registration, untying shared weights.
+    real = {name: t.detach().clone() for name, t in _named_tensors(model) if not t.is_meta}
+    meta_buffers = [name for name, b in model.named_buffers() if b.is_meta]
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    # Allocation makes one new tensor per registration, untying shared weights.
     for slots in tied:
         first = getattr(*slots[0])
         for module, name in slots[1:]:
             setattr(module, name, first)
+    for name in meta_buffers:
+        owner, _, attr = name.rpartition(".")
+        buffers = model.get_submodule(owner)._buffers
+        buffers[attr] = buffers[attr].to(buffer_device or device)
     with torch.no_grad():
         if callable(init):
             init()
@@ -168,3 +169,29 @@ def materialize_meta_module(model: nn.Module, device: torch.device | str) -> Non
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
+        current = dict(_named_tensors(model))
+        for name, value in real.items():  # values the caller gave win over init
+            current[name].copy_(value)
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _check_resettable(model: nn.Module) -> None:
+    """Raise unless every module holding meta tensors can reset them."""
+    uninitialisable = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if not callable(getattr(m, "reset_parameters", None))
+            and any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)])
+        }
+    )
+    if uninitialisable:
+        raise ValueError(
+            f"{type(model).__name__} was built on the meta device but has no "
+            f"init_weights(), and {uninitialisable} have parameters without "
+            "reset_parameters() (or meta buffers nothing would fill): their values "
+            "would be uninitialised memory"
+        )

@@ -9,6 +9,7 @@ replicates over the first. Everything the config says is resolved into one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -83,7 +84,16 @@ def resolve_fsdp_policy(config: FSDPSettings, device: torch.device) -> FSDPPolic
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, policy: FSDPPolicy) -> nn.Module:
     """``fully_shard`` every block, then the root (which takes the rest:
-    embeddings, tied output head, final norm)."""
+    embeddings, tied output head, final norm). Without blocks the whole model
+    is one unit, gathered whole on every rank in forward: that is warned."""
+    if not blocks:
+        _logger.warning(
+            "ray_fsdp_backend: no blocks found in %s (no nn.ModuleList children and "
+            "fsdp_block_classes unset): the whole model is ONE FSDP unit and every rank "
+            "gathers all its parameters in forward. Set fsdp_block_classes to the class "
+            "names of its repeated blocks.",
+            type(model).__name__,
+        )
     kwargs = dict(
         mesh=mesh,
         mp_policy=policy.mp_policy,
@@ -101,19 +111,22 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 @contextmanager
-def no_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """Skip reduce-scatter (and the HSDP all-reduce) on every FSDP module of
-    ``model``: gradients accumulate unsharded until the next synced backward.
+def no_gradient_sync(model: nn.Module, *, unsharded: bool = True) -> Iterator[None]:
+    """Defer gradient reduction on every FSDP module of ``model`` until the
+    next synced backward. ``unsharded``: skip the reduce-scatter (and the HSDP
+    all-reduce), accumulating full gradients on every rank; otherwise only
+    the HSDP cross-replica all-reduce is skipped and gradients stay sharded.
     Works for models sharded by a ``convert_to_fsdp`` hook, whose root need
     not be an FSDP module."""
     modules = fsdp_modules(model)
+    switch = "set_requires_gradient_sync" if unsharded else "set_requires_all_reduce"
     for m in modules:
-        m.set_requires_gradient_sync(False, recurse=False)
+        getattr(m, switch)(False, recurse=False)
     try:
         yield
     finally:
         for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
+            getattr(m, switch)(True, recurse=False)
 
 
 class FSDPStrategy(DistributionStrategy):
@@ -161,8 +174,16 @@ class FSDPStrategy(DistributionStrategy):
             model = apply_fsdp(model, blocks, self.mesh, policy)
         if has_meta_tensors(model):
             # Offloaded shards live on the host; FSDP2 moves them per use.
-            materialize_meta_module(model, "cpu" if policy.offloads else self.device)
+            param_device = "cpu" if policy.offloads else self.device
+            materialize_meta_module(model, param_device, buffer_device=self.device)
         return model
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return no_gradient_sync(model)
+        """Accumulation micro-batches. By default gradients are reduce-scattered
+        every micro-batch and stay sharded (1-D mesh: nothing to defer; HSDP:
+        only the cross-replica all-reduce waits); ``fsdp_accumulate_unsharded``
+        defers the reduce-scatter too, holding full gradients on every rank."""
+        unsharded = self.config.fsdp_accumulate_unsharded
+        if not unsharded and (self.mesh is None or self.mesh.ndim == 1):
+            return contextlib.nullcontext()
+        return no_gradient_sync(model, unsharded=unsharded)

@@ -122,24 +122,35 @@ def check_clipping(name, rank, world):
 
 
 def check_no_sync_accumulation(name, rank, world):
-    strategy, model = _wrapped(name, rank)
+    modes = [{}] if name == "ddp" else [{}, {"fsdp_accumulate_unsharded": True}]
+    for overrides in modes:
+        _no_sync_accumulation(name, rank, world, **overrides)
+
+
+def _no_sync_accumulation(name, rank, world, **overrides):
+    strategy, model = _wrapped(name, rank, **overrides)
     x, y = _local_batch(*make_batch(), rank, world)
     half = x.shape[0] // 2
     with strategy.no_sync(model):
         (torch.nn.functional.mse_loss(model(x[:half]), y[:half]) / 2).backward()
     inner = getattr(model, "module", model)
-    if strategy.params_sharded:
+    what = f"{name} {overrides or 'sharded'} no_sync accumulation"
+    if overrides.get("fsdp_accumulate_unsharded"):
         # FSDP2 keeps unsynced gradients unsharded, off `.grad`, until a synced backward.
-        assert all(p.grad is None for p in inner.parameters()), f"{name}: no_sync reduced"
-    else:
+        assert all(p.grad is None for p in inner.parameters()), f"{what}: reduced"
+    elif strategy.params_sharded and strategy.mesh.ndim == 1:
+        # Reduce-scattered already: each rank holds only its shard of each gradient.
+        shards = [p.grad.to_local().numel() for p in inner.parameters()]
+        assert sum(shards) < sum(p.numel() for p in inner.parameters()), (what, shards)
+    elif not strategy.params_sharded:
         local = inner.head.weight.grad.clone()
         peers = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(peers, local)
-        assert not all(torch.equal(p, peers[0]) for p in peers), f"{name}: no_sync reduced"
+        assert not all(torch.equal(p, peers[0]) for p in peers), f"{what}: reduced"
     (torch.nn.functional.mse_loss(model(x[half:]), y[half:]) / 2).backward()
     ref = reference_model()
     torch.nn.functional.mse_loss(ref(make_batch()[0]), make_batch()[1]).backward()
-    _assert_close(_grads(model), _grads(ref), what=f"{name} no_sync accumulation")
+    _assert_close(_grads(model), _grads(ref), what=what)
 
 
 def check_tied_weights(name, rank, world):

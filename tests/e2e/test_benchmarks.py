@@ -88,6 +88,7 @@ def test_gpu_benchmark_runs_on_cpu_and_skips_without_gpu(tmp_path):
     assert {tuple(r["shape"][1:]) for r in data["newton_schulz_bf16"]} == {
         (128, 128), (384, 128), (128, 384)
     }  # fmt: skip
+    assert data["offload_hsdp_dmuon"]["finite"]
     if not torch.cuda.is_available():
         skipped = subprocess.run([sys.executable, "-m", "benchmarks.gpu"], check=True,
                                  capture_output=True, text=True, timeout=120)  # fmt: skip

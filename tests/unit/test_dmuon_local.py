@@ -160,3 +160,12 @@ def test_strategy_tells_the_adapter_dmuon_is_on_and_clips_everything_once():
     assert strategy.last_grad_clip_stats["num_tensors"] == len(list(model.parameters()))
     after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert float(after) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_newton_schulz_runs_on_the_accelerator_under_cpu_offload():
+    from ray_fsdp_backend.dmuon.optimizer import resolve_ns_device
+
+    # Offload: the shard sits on the host, the mesh (and compute) on the GPU.
+    assert resolve_ns_device(torch.device("cpu"), "cuda") == torch.device("cuda")
+    assert resolve_ns_device(torch.device("cuda", 3), "cuda") == torch.device("cuda", 3)
+    assert resolve_ns_device(torch.device("cpu"), "cpu") == torch.device("cpu")

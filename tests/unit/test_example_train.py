@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ray_fsdp_backend.cli import merge_history
+from ray_fsdp_backend.clip import clip_grad_norm_
 from ray_fsdp_backend.example import train
 from ray_fsdp_backend.example.data import ShardedBatches, load_corpus
 from ray_fsdp_backend.example.model import Transformer
@@ -32,7 +33,7 @@ class FakeContext:
         yield
 
     def clip_grad_norm(self, model, max_norm, optimizer=None):
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return clip_grad_norm_(model.parameters(), max_norm).total_norm  # the strategies' clip
 
     def autocast(self):
         return contextlib.nullcontext()
@@ -62,6 +63,35 @@ def test_train_step_accumulates_under_no_sync_and_lowers_the_loss():
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.0
 
 
+def _one_step(overrides, poison_grads=False):
+    small = ["model.dim=32", "model.n_layers=1", "model.seq_len=32", *overrides]
+    spec = load_spec(CPU_TINY, small)
+    torch.manual_seed(0)
+    ctx, model = FakeContext(), Transformer(spec.model)
+    if poison_grads:
+        for p in model.parameters():
+            p.register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = train.build_optimizer(model, spec)
+    batches = ShardedBatches(load_corpus(), spec.model.seq_len, 2, 0, 1)
+    _, norm = train.train_step(ctx, model, optimizer, batches, spec)
+    moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    return norm, moved, optimizer
+
+
+@pytest.mark.parametrize("value", ["0", "null"])
+def test_max_grad_norm_zero_or_null_means_no_clipping(value):
+    norm, moved, _ = _one_step([f"train.max_grad_norm={value}"])
+    assert torch.isfinite(norm) and norm > 1.0 and moved  # measured, unclipped, stepped
+
+
+def test_non_finite_norm_skips_the_step(caplog):
+    with caplog.at_level("WARNING"):
+        norm, moved, optimizer = _one_step([], poison_grads=True)
+    assert not torch.isfinite(norm) and not moved and not optimizer.state
+    assert "step skipped" in caplog.text
+
+
 def test_adamw_decays_only_matrices():
     spec = load_spec(CPU_TINY)
     groups = train.build_optimizer(Transformer(spec.model), spec).param_groups
@@ -83,7 +113,7 @@ def test_checkpoint_hooks_save_when_due_and_restore_position():
     class Ctx(FakeContext):
         saved = []
 
-        def save_checkpoint(self, model, optimizer, metrics, *, extra_state):
+        def save_checkpoint(self, model, optimizer, metrics, *, extra_state, async_save=False):
             self.saved.append(extra_state)
 
         def restore_checkpoint(self, model, optimizer):

@@ -81,3 +81,11 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 * 1024**3) == "3.0 GiB"
+
+
+def test_unsharded_accumulation_adds_the_full_gradient():
+    size = ModelSize(num_params=1_000_000, largest_unit_params=100_000, matrix_params=900_000)
+    base = estimate_memory(size, ShardingStrategy.FULL_SHARD, 8)
+    unsharded = estimate_memory(size, ShardingStrategy.FULL_SHARD, 8, accumulate_unsharded=True)
+    assert unsharded.transient - base.transient == 2 * 1_000_000  # bf16 reduce dtype, all N
+    assert (unsharded.params, unsharded.grads) == (base.params, base.grads)

@@ -105,3 +105,36 @@ def test_process_group_backend_choice():
     offload = FSDPConfig(use_fsdp=True, fsdp_cpu_offload=True)
     assert resolve_pg_backend(offload, uses_gpu=True) == "cuda:nccl,cpu:gloo"
     assert resolve_pg_backend(FSDPConfig(backend="gloo"), uses_gpu=True) == "gloo"
+
+
+@pytest.mark.parametrize("use_gpu", [True, False])
+def test_offload_keeps_its_cpu_backend_through_a_real_torch_trainer(use_gpu):
+    # TorchTrainer assigns torch_config.backend = "nccl" / "gloo" when it is unset.
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cfg = FSDPConfig(use_fsdp=True, fsdp_cpu_offload=True)
+    TorchTrainer(
+        lambda c: None,
+        torch_config=cfg,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=use_gpu),
+    )
+    assert cfg.backend == ("nccl" if use_gpu else "gloo")  # what Ray did
+    expected = "cuda:nccl,cpu:gloo" if use_gpu else "gloo"
+    assert resolve_pg_backend(cfg, uses_gpu=use_gpu) == expected
+
+
+def test_explicit_replicate_size_may_not_split_a_shard_group_across_nodes():
+    topo = _cluster(2, 6)  # 2 nodes x 6 workers; replicate 3 -> groups of 4
+    with pytest.raises(ValueError, match=r"dp_shard group \(4, 5, 6, 7\) span nodes \[0, 1\]"):
+        compute_mesh_layout(HSDP, topo, replicate_size=3)
+    allowed = compute_mesh_layout(HSDP, topo, replicate_size=3, shard_across_nodes=True)
+    assert allowed.groups("dp_shard")[1] == (4, 5, 6, 7)
+    cfg = FSDPConfig(
+        use_fsdp=True,
+        fsdp_sharding_strategy="hybrid_shard",
+        fsdp_hsdp_replicate_size=3,
+        fsdp_hsdp_shard_across_nodes=True,
+    )
+    assert resolve_layout(cfg, topo).shape == (3, 4)
+    assert compute_mesh_layout(HSDP, topo, replicate_size=4).groups("dp_shard")[0] == (0, 1, 2)

@@ -1,0 +1,55 @@
+"""clip_grad_norm_ on one process against torch.nn.utils.clip_grad_norm_."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_fsdp_backend.clip import clip_grad_norm_
+
+
+def _params(*grads: torch.Tensor) -> list[torch.nn.Parameter]:
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        params.append(p)
+    return params
+
+
+def _pair(*grads):
+    return _params(*grads), _params(*grads)
+
+
+@pytest.mark.parametrize(
+    "grads",
+    [
+        (torch.full((3, 4), 2.0), torch.arange(5.0)),  # clipped
+        (torch.full((3,), 1e-3),),  # under the limit: untouched
+        (torch.full((3, 4), 1e20), torch.ones(2)),  # norm overflows fp32: torch zeroes
+        (torch.tensor([float("nan"), 1.0]),),
+    ],
+)
+def test_same_gradients_and_norm_as_torch(grads):
+    ours, ref = _pair(*grads)
+    expected = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    stats = clip_grad_norm_(ours, 1.0)
+    torch.testing.assert_close(stats.total_norm, expected, equal_nan=True)
+    for p, r in zip(ours, ref, strict=True):
+        torch.testing.assert_close(p.grad, r.grad, equal_nan=True)
+    assert isinstance(stats.clip_coef, torch.Tensor)  # no host sync to compute it
+
+
+@pytest.mark.parametrize("max_norm", [None, float("inf")])
+def test_no_limit_measures_and_leaves_gradients(max_norm):
+    ours, ref = _pair(torch.full((3, 4), 2.0))
+    expected = torch.nn.utils.get_total_norm([r.grad for r in ref])
+    stats = clip_grad_norm_(ours, max_norm)
+    torch.testing.assert_close(stats.total_norm, expected)
+    assert torch.equal(ours[0].grad, ref[0].grad) and float(stats.clip_coef) == 1.0
+
+
+@pytest.mark.parametrize("max_norm", [0, -1.0])
+def test_non_positive_limit_is_an_error(max_norm):
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(_params(torch.ones(2)), max_norm)
