@@ -32,6 +32,10 @@ class RecordingBatches:
         start = inner.order.start
         inner.order.start = lambda s: self._starts.append(start(s)) or self._starts[-1]
 
+    @property
+    def position(self) -> int:
+        return self.inner.position
+
     def next_batch(self):
         self._maybe_hold()
         position = self.inner.position
