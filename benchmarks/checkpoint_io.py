@@ -157,29 +157,15 @@ def _entry(rank: int, world: int, kwargs: dict) -> dict:
 
 def run(*, worlds, model: dict, reps: int, steps: int) -> list[dict]:
     """Start a moto S3 server in this process and measure at each world size."""
-    import os
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
+    from tests.conftest import moto_server
     from tests.dist.harness import run_ranks
 
-    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        from tests.conftest import S3Server
-
-        S3Server(port).filesystem().create_dir("bench-ckpt")
+    with moto_server() as server:
+        server.filesystem().create_dir("bench-ckpt")
         results = []
         for world in worlds:
             with tempfile.TemporaryDirectory() as local_root:
                 kwargs = dict(model=model, local_root=local_root,
-                              s3_endpoint=f"127.0.0.1:{port}", reps=reps, steps=steps)  # fmt: skip
+                              s3_endpoint=server.endpoint, reps=reps, steps=steps)  # fmt: skip
                 results.append(run_ranks(_entry, world, kwargs))
         return results
-    finally:
-        server.stop()

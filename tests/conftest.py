@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -54,11 +55,11 @@ class S3Server:
         )
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """moto in server mode on a free port for the test session (a real HTTP S3
-    API; clients are the real pyarrow/boto ones). No instance-metadata lookups,
-    for the driver and the Ray workers it starts."""
+@contextlib.contextmanager
+def moto_server():
+    """moto in server mode on a free loopback port (a real HTTP S3 API; the
+    clients are the real pyarrow/boto ones), with instance-metadata lookups
+    off for this process and the Ray workers it starts; stopped on exit."""
     import socket
 
     from moto.server import ThreadedMotoServer
@@ -73,3 +74,10 @@ def s3_server():
         yield S3Server(port)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server for the test session (see :func:`moto_server`)."""
+    with moto_server() as server:
+        yield server

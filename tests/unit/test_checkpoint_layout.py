@@ -118,24 +118,13 @@ def test_unreachable_store_raises_instead_of_looking_incomplete():
     """A marker that cannot be read because the server is gone must not read
     as "no marker": the commit would delete that complete checkpoint as a
     partial one."""
-    import socket
+    from tests.conftest import moto_server
 
-    from moto.server import ThreadedMotoServer
-
-    from tests.conftest import S3Server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        store = CheckpointStore(S3Server(port).filesystem(), "unit-gone/run")
+    with moto_server() as server:
+        store = CheckpointStore(server.filesystem(), "unit-gone/run")
         store.fs.create_dir("unit-gone")
         store.write_marker(checkpoint_name(1), DONE)
         assert store.read_marker(checkpoint_name(1)) == DONE
         assert store.read_marker(checkpoint_name(2)) is None
-    finally:
-        server.stop()
     with pytest.raises(OSError, match="unit-gone"):
         store.read_marker(checkpoint_name(1))
