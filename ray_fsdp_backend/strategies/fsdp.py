@@ -118,15 +118,17 @@ def no_gradient_sync(model: nn.Module, *, unsharded: bool = True) -> Iterator[No
     the HSDP cross-replica all-reduce is skipped and gradients stay sharded.
     Works for models sharded by a ``convert_to_fsdp`` hook, whose root need
     not be an FSDP module."""
-    modules = fsdp_modules(model)
-    switch = "set_requires_gradient_sync" if unsharded else "set_requires_all_reduce"
-    for m in modules:
-        getattr(m, switch)(False, recurse=False)
+    switches = [
+        m.set_requires_gradient_sync if unsharded else m.set_requires_all_reduce
+        for m in fsdp_modules(model)
+    ]
+    for switch in switches:
+        switch(False, recurse=False)
     try:
         yield
     finally:
-        for m in modules:
-            getattr(m, switch)(True, recurse=False)
+        for switch in switches:
+            switch(True, recurse=False)
 
 
 class FSDPStrategy(DistributionStrategy):
