@@ -39,7 +39,7 @@ CPU = torch.device("cpu")
 
 def config_for(strategy: str | None, world: int) -> FSDPConfig:
     if strategy is None:
-        return FSDPConfig(use_fsdp=False)
+        return FSDPConfig(use_fsdp=False, use_mixed_precision=False)
     hybrid = ShardingStrategy(strategy).is_hybrid
     return FSDPConfig(
         use_fsdp=True,

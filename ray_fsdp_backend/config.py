@@ -112,15 +112,18 @@ class FSDPSettings:
     to offload and train without it."""
 
     use_mixed_precision: bool = True
-    """Compute in ``bf16`` (or fp16) with fp32 master weights; False trains in
-    full fp32."""
+    """Compute in bf16 with fp32 master weights (FSDP2's policy; DDP's
+    forward under autocast); False trains in full fp32."""
 
     bf16: bool = True
-    """With mixed precision: compute dtype bfloat16 (True) or float16 (False)."""
+    """The mixed-precision compute dtype is bfloat16. False (the seed's
+    float16) is refused under mixed precision: fp16 needs a gradient scaler,
+    which this backend does not apply, and its gradients underflow silently
+    without one."""
 
     fsdp_reduce_dtype: str = "bf16"
-    """Dtype of FSDP gradient reduction under mixed precision: ``fp32``, or
-    ``bf16`` meaning the compute dtype (the seed's semantics)."""
+    """Dtype of FSDP gradient reduction under mixed precision: ``bf16`` or
+    ``fp32``."""
 
     fsdp_accumulate_unsharded: bool = False
     """What ``no_sync`` does under FSDP. False: every micro-batch's gradients
@@ -306,6 +309,12 @@ def _check_values(cfg: FSDPSettings) -> None:
             )
     if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
         raise ValueError(f"peak_tflops={cfg.peak_tflops!r} must be positive or null")
+    if cfg.use_mixed_precision and not cfg.bf16:
+        raise ValueError(
+            "bf16=False with use_mixed_precision=True asks for fp16 compute, which needs a "
+            "gradient scaler this backend does not apply (fp16 gradients underflow silently): "
+            "set bf16=true, or use_mixed_precision=false to train in fp32"
+        )
     if cfg.fsdp_cpu_offload and not cfg.use_fsdp:
         raise ValueError("fsdp_cpu_offload=True needs use_fsdp=true: DDP does not offload")
     if cfg.use_dmuon and not cfg.use_fsdp:

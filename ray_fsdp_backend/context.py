@@ -72,8 +72,8 @@ class TrainContext:
         return self.strategy.no_sync(model)
 
     def autocast(self):
-        """Context manager for the forward pass: the configured mixed precision
-        for DDP (autocast), nothing for FSDP2 (its policy casts already)."""
+        """A no-op kept for older loops: ``wrap`` already applies the
+        configured mixed precision (FSDP2's policy, DDP's autocast forward)."""
         return self.strategy.autocast()
 
     def step_meter(

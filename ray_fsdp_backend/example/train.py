@@ -144,7 +144,7 @@ def train_step(
             meter.count_tokens(inputs.numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
-        with sync, ctx.autocast():
+        with sync:
             logits = model(inputs)
             logits = getattr(logits, "logits", logits)  # a transformers model's output
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum

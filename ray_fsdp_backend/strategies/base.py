@@ -5,26 +5,21 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.clip import ClipStats, clip_grad_norm_
-
-if TYPE_CHECKING:
-    # Imported for types only: config.py imports Ray, which DMuon and the
-    # multi-process tests do not need.
-    from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.config import FSDPSettings
 
 
 class DistributionStrategy(ABC):
     """Wraps a model for one kind of data parallelism and runs the gradient
     operations that depend on it.
 
-    Subclasses differ in ``wrap``, ``no_sync``, ``params_sharded`` and
-    ``autocast`` (DDP mixes precision there; FSDP2 through its policy);
-    clipping is the same global-norm clip for all of them.
+    Subclasses differ in ``wrap`` (which also applies mixed precision:
+    FSDP2's policy, DDP's autocast forward), ``no_sync`` and
+    ``params_sharded``; clipping is the same global-norm clip for all of them.
     """
 
     def __init__(self, config: FSDPSettings, *, device: torch.device, mesh: DeviceMesh | None):
@@ -48,9 +43,9 @@ class DistributionStrategy(ABC):
         """Whether each rank holds only a shard of the parameters."""
 
     def autocast(self) -> AbstractContextManager:
-        """Context manager for the forward pass that applies the configured
-        mixed precision where the wrapper itself does not. FSDP2 casts
-        parameters through its ``MixedPrecisionPolicy``, so this is a no-op."""
+        """A no-op kept for loops written against earlier versions, where DDP
+        mixed precision happened only inside it: ``wrap`` applies the
+        configured mixed precision to the forward for every strategy."""
         return contextlib.nullcontext()
 
     @property

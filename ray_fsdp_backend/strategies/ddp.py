@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import types
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -33,8 +35,24 @@ def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
     return {"broadcast_buffers": broadcast_buffers}
 
 
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``model``'s forward under ``torch.autocast``: DDP keeps one fp32
+    copy of the weights, so mixed precision is autocast of the forward (the
+    weights stay fp32, matmuls run in ``dtype``). The forward is rebound as a
+    method so that ``copy.deepcopy`` of the model binds the copy."""
+    forward = model.forward.__func__
+
+    @functools.wraps(forward)
+    def forward_under_autocast(self, *args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(self, *args, **kwargs)
+
+    model.forward = types.MethodType(forward_under_autocast, model)
+
+
 class DDPStrategy(DistributionStrategy):
-    """``DistributedDataParallel`` with the config's bucket and buffer options."""
+    """``DistributedDataParallel`` with the config's bucket and buffer options;
+    under ``use_mixed_precision`` the forward runs under bf16 autocast."""
 
     @property
     def params_sharded(self) -> bool:
@@ -50,6 +68,8 @@ class DDPStrategy(DistributionStrategy):
         if has_meta_tensors(model):
             materialize_meta_module(model, self.device)
         model = model.to(self.device)
+        if self.config.use_mixed_precision:
+            autocast_forward(model, self.device.type, torch.bfloat16)
         on_gpu = self.device.type == "cuda"
         # DDP broadcasts rank 0's parameters at construction: all ranks start equal.
         return DistributedDataParallel(
@@ -60,14 +80,6 @@ class DDPStrategy(DistributionStrategy):
             **_buffer_sync_kwargs(self.config.broadcast_buffers),
             bucket_cap_mb=self.config.bucket_cap_mb,
         )
-
-    def autocast(self) -> AbstractContextManager:
-        """DDP holds one fp32 copy of the model: mixed precision is autocast of
-        the forward pass to bf16 (or fp16 with ``bf16=False``)."""
-        if not self.config.use_mixed_precision:
-            return nullcontext()
-        dtype = torch.bfloat16 if self.config.bf16 else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
 
     @contextmanager
     def no_sync(self, model: nn.Module):

@@ -64,9 +64,8 @@ def resolve_fsdp_policy(config: FSDPSettings, device: torch.device) -> FSDPPolic
     parameters already live in host memory, so it is skipped with a log line.
     """
     if config.use_mixed_precision:
-        dtype = torch.bfloat16 if config.bf16 else torch.float16
-        reduce_dtype = torch.float32 if config.fsdp_reduce_dtype == "fp32" else dtype
-        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+        reduce_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[config.fsdp_reduce_dtype]
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     else:
         mp_policy = MixedPrecisionPolicy()
     offload_policy = OffloadPolicy()

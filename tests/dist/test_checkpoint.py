@@ -32,7 +32,7 @@ from tests.models import make_batch, reference_model
 
 FSDP = {"use_fsdp": True, "use_mixed_precision": False}
 HSDP = {**FSDP, "fsdp_sharding_strategy": "hybrid_shard"}
-DDP = {"use_fsdp": False}
+DDP = {"use_fsdp": False, "use_mixed_precision": False}
 
 
 def _wrap(config: dict, rank: int, **model_kwargs):

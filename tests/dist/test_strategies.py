@@ -25,7 +25,7 @@ LR = 0.1
 
 def _config(name: str, **overrides) -> FSDPConfig:
     if name == "ddp":
-        return FSDPConfig(use_fsdp=False, **overrides)
+        return FSDPConfig(use_fsdp=False, use_mixed_precision=False, **overrides)
     return FSDPConfig(
         use_fsdp=True, fsdp_sharding_strategy=name, use_mixed_precision=False, **overrides
     )
@@ -199,8 +199,9 @@ def check_meta_device_model(name, rank, world):
 
 
 def check_bf16_mixed_precision(name, rank, world):
-    # FSDP2 casts through its policy (offload requested: CPU workers log it and
-    # train on); DDP autocasts the forward pass under strategy.autocast().
+    # The default config's mixed precision comes from wrap alone: FSDP2 casts
+    # through its policy (offload requested: CPU workers log it and train
+    # on), DDP autocasts the forward.
     if name == "ddp":
         cfg = FSDPConfig(use_fsdp=False)
     else:
@@ -215,8 +216,7 @@ def check_bf16_mixed_precision(name, rank, world):
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        with strategy.autocast():
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
         opt.step()
         losses.append(loss.detach())

@@ -28,7 +28,11 @@ def _data_parallel_trainer(cfg: rfb.FSDPConfig, **kwargs):
     "make_trainer, cfg, strategy",
     [
         (_torch_trainer, rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False), "FSDPStrategy"),
-        (_data_parallel_trainer, rfb.FSDPConfig(use_fsdp=False), "DDPStrategy"),
+        (
+            _data_parallel_trainer,
+            rfb.FSDPConfig(use_fsdp=False, use_mixed_precision=False),
+            "DDPStrategy",
+        ),
     ],
     ids=["fsdp-TorchTrainer", "ddp-DataParallelTrainer"],
 )

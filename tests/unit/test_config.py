@@ -71,6 +71,7 @@ def test_zero2_alias_and_enum():
             "fsdp_hsdp_replicate_size=0 must be a positive int",
         ),
         ({"fsdp_cpu_offload": True}, "fsdp_cpu_offload=True needs use_fsdp=true"),
+        ({"bf16": False}, "bf16=False with use_mixed_precision=True asks for fp16 compute"),
         ({"use_dmuon": True}, "use_dmuon=True needs use_fsdp=true"),
         ({"nccl_env": {"OMP_NUM_THREADS": "1"}}, "nccl_env key 'OMP_NUM_THREADS' must start"),
         ({"fsdp_block_classes": "Block"}, "fsdp_block_classes='Block' must be a list"),

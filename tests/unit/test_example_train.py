@@ -35,9 +35,6 @@ class FakeContext:
     def clip_grad_norm(self, model, max_norm, optimizer=None):
         return clip_grad_norm_(model.parameters(), max_norm).total_norm  # the strategies' clip
 
-    def autocast(self):
-        return contextlib.nullcontext()
-
 
 def test_lr_warms_up_linearly_then_decays_to_the_floor():
     opts = TrainOptions(steps=100, warmup_steps=10, min_lr_ratio=0.1)

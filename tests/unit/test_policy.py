@@ -20,8 +20,6 @@ def test_mixed_precision_from_bf16_and_reduce_dtype():
     assert (p.param_dtype, p.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
     p = resolve_fsdp_policy(FSDPConfig(use_fsdp=True, fsdp_reduce_dtype="fp32"), CPU).mp_policy
     assert (p.param_dtype, p.reduce_dtype) == (torch.bfloat16, torch.float32)
-    p = resolve_fsdp_policy(FSDPConfig(use_fsdp=True, bf16=False), CPU).mp_policy
-    assert p.param_dtype == torch.float16
 
 
 def test_no_mixed_precision_means_full_fp32():
