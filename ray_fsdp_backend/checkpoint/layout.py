@@ -195,6 +195,29 @@ def names_in(text: str | None) -> set[str]:
     return set(re.findall(r"checkpoint_\d{6,}", text or ""))
 
 
+def compute_restart_deletions(
+    markers: Mapping[str, str | None], ray_known: Iterable[str], num_to_keep: int | None
+) -> list[str]:
+    """Checkpoints to delete when a new worker group starts, before it saves.
+
+    Ray Train discards the pending reports of a worker group it shuts down,
+    so a checkpoint it has not registered by the time the next group starts
+    never will be: an incomplete one is debris of a dead writer, and complete
+    ones count against ``num_to_keep`` with Ray's own. Of all complete
+    checkpoints the newest ``num_to_keep`` stay (so the newest complete one
+    always does); of the older ones those Ray never registered are returned,
+    with every incomplete one Ray never registered but the newest directory:
+    its name anchors the sequence (:func:`next_checkpoint_name`), so that a
+    new checkpoint never takes a name a dead writer may still be writing."""
+    known = set(ray_known)
+    names = sorted((n for n in markers if parse_seq(n) is not None), key=parse_seq)
+    complete = [n for n in names if decode_marker(markers[n])]
+    keep = len(complete) if num_to_keep is None or num_to_keep < 1 else num_to_keep
+    older = set(complete[: max(len(complete) - keep, 0)])
+    debris = {n for n in names[:-1] if not decode_marker(markers[n])}
+    return [n for n in names if n in older | debris and n not in known]
+
+
 def compute_retention_deletions(
     markers: Mapping[str, str | None], ray_known: Iterable[str], num_to_keep: int | None
 ) -> list[str]:

@@ -19,10 +19,16 @@ Every Ray Train quirk the checkpoint code depends on is handled here
   none of its own.
 - Ray's ``num_to_keep`` counts only registered checkpoints, so one completed
   but never registered (its worker died right after saving) would stay
-  forever. After each commit rank 0 also deletes such orphans beyond the
-  newest ``num_to_keep`` complete checkpoints (:func:`layout.
-  compute_retention_deletions`), reading which ones Ray registered from its
-  ``checkpoint_manager_snapshot.json`` in the run's storage.
+  forever. Rank 0 deletes such orphans beyond the newest ``num_to_keep``
+  complete checkpoints, reading which ones Ray registered from its
+  ``checkpoint_manager_snapshot.json`` in the run's storage: after each
+  commit those older than a registered one (:func:`layout.
+  compute_retention_deletions`), and when a new worker group restores, all
+  of them and the half-written debris of killed workers (:func:`layout.
+  compute_restart_deletions`): Ray drops the pending reports of a worker
+  group it shuts down, so what it has not registered by then it never will.
+  Ray deletes the checkpoints it drops itself, and fails on one already
+  gone: anything it ever registered is left to it.
 - Asynchronous saves report with ``CheckpointUploadMode.ASYNC`` and an
   upload function that waits for the background write and, on rank 0,
   commits: ``report`` returns at once, Ray registers the checkpoint only after
@@ -43,7 +49,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_fsdp_backend.checkpoint.layout import choose_resume, compute_retention_deletions, names_in
+from ray_fsdp_backend.checkpoint.layout import (
+    choose_resume,
+    compute_restart_deletions,
+    compute_retention_deletions,
+    names_in,
+)
 from ray_fsdp_backend.checkpoint.sharded import (
     PendingSave,
     broadcast_from_rank0,
@@ -62,6 +73,9 @@ _RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 _PENDING: PendingSave | None = None
 # Checkpoints this worker ever saw in Ray's snapshot (registered with Ray).
 _SEEN_BY_RAY: set[str] = set()
+# Whether this worker process started a save (then a restore is not the
+# start of a worker group, and its reports may still be pending).
+_SAVED = False
 
 
 def run_store() -> CheckpointStore:
@@ -91,15 +105,16 @@ def save_checkpoint(
     With ``async_save`` it returns once the state is staged in host memory;
     the write, the commit and Ray's registration follow in the background.
     Either way it first waits for the save in flight, if any."""
+    global _PENDING, _SAVED
     store = run_store()
     wait_for_pending_save()
+    _SAVED = True
     if not async_save:
         name = save_sharded(
             store, model, optimizer, extra_state=extra_state, strategy=strategy, on_commit=retain
         )
         _report(metrics, store, name, ray.train.CheckpointUploadMode.NO_UPLOAD)
         return
-    global _PENDING
     _PENDING = start_async_save(
         store, model, optimizer, extra_state=extra_state, strategy=strategy, on_commit=retain
     )
@@ -136,6 +151,17 @@ def _report(metrics, store: CheckpointStore, name: str, mode, upload=None) -> No
 def retain(store: CheckpointStore, name: str) -> None:
     """Rank 0 after committing ``name``: delete complete checkpoints Ray never
     registered beyond the newest ``num_to_keep`` (see the module docstring)."""
+    _delete_unregistered(store, compute_retention_deletions)
+
+
+def clear_dead_checkpoints(store: CheckpointStore) -> None:
+    """Rank 0 when a worker group starts: delete what Ray will never register
+    beyond the newest ``num_to_keep`` complete checkpoints, and the
+    half-written ones (see the module docstring)."""
+    _delete_unregistered(store, compute_restart_deletions)
+
+
+def _delete_unregistered(store: CheckpointStore, choose_deletions) -> None:
     # Ray 2.60 exposes the run config to workers only through its internal context.
     from ray.train.v2._internal.execution.context import get_train_context
 
@@ -144,7 +170,7 @@ def retain(store: CheckpointStore, name: str) -> None:
     # is dropping right now is in no snapshot any more, and deleting it too
     # would make Ray's own delete fail. Anything Ray ever listed stays Ray's.
     _SEEN_BY_RAY.update(names_in(store.read_text(_RAY_SNAPSHOT)))
-    for orphan in compute_retention_deletions(store.read_markers(), _SEEN_BY_RAY, keep):
+    for orphan in choose_deletions(store.read_markers(), _SEEN_BY_RAY, keep):
         _logger.info("ray_fsdp_backend: deleting unregistered checkpoint %s", orphan)
         store.delete(orphan)
 
@@ -168,7 +194,11 @@ def restore_checkpoint(
         with naming_store(store, "(newest complete)", "listing"):
             markers = store.read_markers()
         handed_marker = None if handed is None else _marker_of(handed)
-        return choose_resume(markers, handed_marker, handed is not None)
+        choice = choose_resume(markers, handed_marker, handed is not None)
+        if not _SAVED:
+            with naming_store(store, "(unregistered)", "clearing"):
+                clear_dead_checkpoints(store)
+        return choice
 
     choice = broadcast_from_rank0(choose)
     if choice is None:

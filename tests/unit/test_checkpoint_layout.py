@@ -8,6 +8,7 @@ from ray_fsdp_backend.checkpoint.layout import (
     checkpoint_name,
     choose_resume,
     compute_key_mismatch,
+    compute_restart_deletions,
     compute_retention_deletions,
     decode_marker,
     encode_marker,
@@ -112,6 +113,31 @@ def test_retention_deletes_unregistered_complete_checkpoints_beyond_num_to_keep(
     assert compute_retention_deletions(markers, set(), 1) == []
     # The newest complete checkpoint is never deleted, even unregistered.
     assert names[5] not in compute_retention_deletions(markers, set(names[:5]), 1)
+
+
+def test_a_new_worker_group_deletes_what_ray_will_never_register():
+    # The failed CI run's store when the last worker group started: 3 (step 4)
+    # and 5 (step 6) complete, 4 and 6 half-written by killed workers, Ray
+    # registered none of them (it drops a shut-down group's pending reports).
+    names = {i: checkpoint_name(i) for i in range(1, 8)}
+    markers = {names[1]: None, names[3]: _done(3), names[4]: None, names[5]: _done(5)}
+    markers[names[6]] = "{cut short"
+    # At the commit of 7, retention alone cannot tell 3 from a pending report.
+    markers_at_end = {**markers, names[7]: _done(7)}
+    assert compute_retention_deletions(markers_at_end, set(), 1) == []
+    # At the start of the group: the debris and 3 go, 5 (the newest complete)
+    # stays, and so does 6, the newest name (the next one must come after it).
+    assert compute_restart_deletions(markers, set(), 1) == [names[i] for i in (1, 3, 4)]
+    assert next_checkpoint_name(markers) == names[7]
+    # Registered checkpoints are Ray's to delete, complete or not.
+    assert compute_restart_deletions(markers, {names[3], names[4]}, 1) == [names[1]]
+    # Without num_to_keep every complete checkpoint stays; debris still goes.
+    assert compute_restart_deletions(markers, set(), None) == [names[1], names[4]]
+    assert compute_restart_deletions(markers, set(), 2) == [names[1], names[4]]
+    # The newest directory complete: every incomplete one goes.
+    assert compute_restart_deletions(markers_at_end, set(), 1) == [
+        names[i] for i in (1, 3, 4, 5, 6)
+    ]
 
 
 def test_unreachable_store_raises_instead_of_looking_incomplete():
