@@ -12,8 +12,12 @@ its local shard, summed over the mesh axes on which it is ``Shard``-ed (not
 over ``Replicate`` axes, where every rank holds the same values). Gradients
 are bucketed by (mesh, sharded axes) so the number of collectives is the
 number of such buckets (one for a plain FSDP model), never the number of
-tensors. Plain gradients are taken as replicated: DDP has already
-all-reduced them, so every rank holds the same values.
+tensors; ``Partial`` gradients are summed first, one all-reduce per (mesh,
+partial axes, dtype). Plain gradients are taken as replicated: DDP has
+already all-reduced them, so every rank holds the same values. That is
+checked on request (one all-reduce and a host sync), which the strategies
+do on their first call: a parameter outside the wrapped model would
+otherwise be clipped by a different norm on every rank.
 
 The coefficient follows ``torch.nn.utils.clip_grad_norm_`` exactly:
 ``min(1, max_norm / (norm + eps))`` as a tensor, applied to every gradient
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -72,30 +76,40 @@ def unique_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return grads
 
 
-def _norm_input(grad: torch.Tensor) -> tuple[tuple, torch.Tensor, torch.Tensor]:
-    """(reduction key, tensor whose local norm is summed, local tensor to scale)."""
-    if not isinstance(grad, DTensor):
-        return (None, ()), grad, grad
-    to_scale = grad.to_local()
-    if any(p.is_partial() for p in grad.placements):
-        # A Partial gradient's norm is not the sum of local norms: reduce first.
-        placements = [Replicate() if p.is_partial() else p for p in grad.placements]
-        grad = grad.redistribute(grad.device_mesh, placements)
-    axes = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
-    return (grad.device_mesh, axes), grad.to_local(), to_scale
+def _norm_entries(grads: list[torch.Tensor]) -> tuple[list[tuple], int]:
+    """Per gradient: (reduction key, tensor whose local norm is summed, local
+    tensor to scale); and the collectives issued. A ``Partial`` gradient's
+    norm is not the sum of its local norms, so Partial gradients are summed
+    first: flattened into one buffer per (mesh, partial axes, dtype), one
+    all-reduce per partial axis, then read as views of that buffer."""
+    entries: list[tuple] = []
+    partial: dict[tuple, list[int]] = {}
+    for i, grad in enumerate(grads):
+        if not isinstance(grad, DTensor):
+            entries.append(((None, ()), grad, grad))
+            continue
+        local = grad.to_local()
+        sharded = tuple(a for a, p in enumerate(grad.placements) if p.is_shard())
+        entries.append(((grad.device_mesh, sharded), local, local))
+        pending = tuple((a, p.reduce_op) for a, p in enumerate(grad.placements) if p.is_partial())
+        if pending:
+            partial.setdefault((grad.device_mesh, pending, local.dtype), []).append(i)
+    collectives = 0
+    for (mesh, pending, _), indices in sorted(partial.items(), key=_partial_order):
+        locals_ = [entries[i][1] for i in indices]
+        summed = torch.cat([t.reshape(-1) for t in locals_])
+        for axis, reduce_op in pending:
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
+            collectives += 1
+            if reduce_op == "avg":
+                summed /= mesh.size(axis)
+        for i, view in zip(indices, summed.split([t.numel() for t in locals_]), strict=True):
+            key, _, to_scale = entries[i]
+            entries[i] = (key, view, to_scale)
+    return entries, collectives
 
 
-@torch.no_grad()  # also makes DTensor.to_local() ~40x cheaper (no autograd node)
-def compute_global_sq_norm(grads: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Sum of squares of all ``grads`` across all ranks, and collectives issued.
-
-    Every rank must call this with gradients of the same parameters (in any
-    order), so that all ranks issue the same collectives.
-    """
-    return _global_sq_norm([_norm_input(g) for g in grads])
-
-
-def _global_sq_norm(entries: list[tuple]) -> tuple[torch.Tensor, int]:
+def _global_sq_norm(entries: list[tuple], *, check_replicated: bool) -> tuple[torch.Tensor, int]:
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for key, local, _ in entries:
         buckets.setdefault(key, []).append(local)
@@ -107,6 +121,8 @@ def _global_sq_norm(entries: list[tuple]) -> tuple[torch.Tensor, int]:
         # Accumulate in fp32 whatever the gradients' dtype (bf16 norms lose digits).
         norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
         sq = torch.stack([n.to(device) for n in norms]).pow(2).sum()
+        if mesh is None and check_replicated:
+            collectives += _check_replicated(sq, len(tensors))
         if mesh is not None:
             sq = sq.to(tensors[0].device)
             for axis in axes:
@@ -114,6 +130,28 @@ def _global_sq_norm(entries: list[tuple]) -> tuple[torch.Tensor, int]:
                 collectives += 1
         total = total + sq.to(device)
     return total, collectives
+
+
+def _check_replicated(sq: torch.Tensor, count: int) -> int:
+    """Raise unless every rank's plain gradients have the same squared norm
+    (one all-reduce and a host sync: run once, not every step)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0
+    extremes = torch.stack([sq, -sq])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    high, low = float(extremes[0]), -float(extremes[1])
+    if high - low > 1e-5 * high:
+        raise ValueError(
+            f"the gradients of {count} plain (non-DTensor) parameters differ across ranks "
+            f"(squared norm {low:.6g} to {high:.6g}): nothing synchronises them. Clip only "
+            "the wrapped model's parameters, or wrap the module that holds these."
+        )
+    return 1
+
+
+def _partial_order(item) -> tuple:
+    (mesh, pending, dtype), _ = item
+    return (tuple(mesh.mesh.flatten().tolist()), pending, str(dtype))
 
 
 def _bucket_order(item) -> tuple:
@@ -125,7 +163,11 @@ def _bucket_order(item) -> tuple:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float | None, *, eps: float = 1e-6
+    parameters: Iterable[torch.Tensor],
+    max_norm: float | None,
+    *,
+    eps: float = 1e-6,
+    check_replicated: bool = False,
 ) -> ClipStats:
     """Scale all gradients in place so that their global L2 norm is at most
     ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on one process.
@@ -134,13 +176,18 @@ def clip_grad_norm_(
     stays a tensor: no host synchronisation. A non-finite norm scales the
     gradients by 0 or NaN, as torch does; skip the optimizer step then.
 
+    Every rank passes the same parameters in the same order. With
+    ``check_replicated`` it also verifies that plain gradients are equal on
+    every rank (the strategies do on their first call).
+
     Raises:
-        ValueError: ``max_norm`` is not None and not a positive number.
+        ValueError: ``max_norm`` is not None and not a positive number, or
+            ``check_replicated`` found plain gradients that differ across ranks.
     """
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r} must be positive, or None for no clipping")
-    entries = [_norm_input(g) for g in unique_grads(parameters)]
-    sq, collectives = _global_sq_norm(entries)
+    entries, reduced = _norm_entries(unique_grads(parameters))
+    sq, collectives = _global_sq_norm(entries, check_replicated=check_replicated)
     total = sq.sqrt()
     if max_norm is None or max_norm == float("inf"):
         coef = torch.ones((), dtype=torch.float32, device=total.device)
@@ -151,7 +198,7 @@ def clip_grad_norm_(
         total_norm=total.detach(),
         clip_coef=coef,
         num_tensors=len(entries),
-        num_collectives=collectives,
+        num_collectives=reduced + collectives,
     )
 
 

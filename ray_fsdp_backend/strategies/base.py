@@ -73,5 +73,8 @@ class DistributionStrategy(ABC):
         params = list(model.parameters())
         if optimizer is not None:
             params += [p for group in optimizer.param_groups for p in group["params"]]
-        self._last_clip = clip_grad_norm_(params, max_norm)
+        # The first call also checks that plain gradients are equal on all ranks.
+        self._last_clip = clip_grad_norm_(
+            params, max_norm, check_replicated=self._last_clip is None
+        )
         return self._last_clip.total_norm

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+import pytest
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ray_fsdp_backend.clip import clip_grad_norm_
 from tests.dist.harness import run_ranks
@@ -95,6 +96,80 @@ def _clip_checks(rank, world):
     return stats.as_dict()
 
 
-def test_one_global_norm_over_mixed_meshes_and_plain_tensors():
-    stats = run_ranks(_clip_checks, 4)
+def _partial(full: torch.Tensor, mesh, placements, weight: float) -> nn.Parameter:
+    """A parameter whose gradient is ``Partial`` (sum) on the mesh's first
+    axis: this rank holds ``weight`` times its part of ``full``."""
+    shard = distribute_tensor(full, mesh, [Replicate(), *placements[1:]]).to_local()
+    p = nn.Parameter(torch.zeros_like(full))
+    p.grad = DTensor.from_local(shard * weight, mesh, placements, run_check=False)
+    return p
+
+
+def _partial_checks(rank, world):
+    """Partial gradients are summed before their norm is taken, in one
+    all-reduce per (mesh, partial axes, dtype) whatever their number."""
+    flat, _, _ = _setup(rank, world)
+    hsdp = DeviceMesh(
+        "cpu", torch.arange(world).reshape(2, -1), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+    g = torch.Generator().manual_seed(11)
+    fulls = [torch.randn(8, 3, generator=g), torch.randn(5, generator=g)]
+    fulls += [torch.randn(6, 5, generator=g), torch.randn(7, generator=g)]
+    # Unequal parts that sum to the full gradient over each partial axis.
+    flat_weight = (rank + 1) / sum(range(1, world + 1))
+    hsdp_weight = (0.25, 0.75)[hsdp.get_local_rank(0)]
+    params = [
+        _partial(fulls[0], flat, [Partial()], flat_weight),
+        _partial(fulls[1], flat, [Partial()], flat_weight),
+        _partial(fulls[2], hsdp, [Partial(), Shard(0)], hsdp_weight),
+        _param(fulls[3]),
+    ]
+    ref = torch.stack([f.norm() for f in fulls]).norm()
+    max_norm = float(ref) / 2
+    stats = clip_grad_norm_(params, max_norm)
+    torch.testing.assert_close(stats.total_norm, ref, atol=1e-5, rtol=1e-5)
+    coef = max_norm / (float(ref) + 1e-6)
+    for p, f in zip(params, fulls, strict=True):
+        torch.testing.assert_close(_full_grad(p), f * coef, atol=1e-5, rtol=1e-5)
+    # Partial sums: one per mesh (flat, hsdp's replicate axis); then hsdp's shard axis.
+    many = [_partial(torch.ones(4, 2), flat, [Partial()], flat_weight) for _ in range(50)]
+    return stats.num_collectives, clip_grad_norm_(many, 1.0).num_collectives
+
+
+def _plain_checks(rank, world):
+    """Plain gradients that differ across ranks fail the replication check
+    on every rank; equal ones pass it for one more collective."""
+    _, fulls, params = _setup(rank, world)
+    plain = params[2]
+    counts = [clip_grad_norm_(params, None, check_replicated=True).num_collectives]
+    plain.grad.add_(rank)  # as a parameter outside the wrapped model would be
+    try:
+        clip_grad_norm_(params, None, check_replicated=True)
+    except ValueError as exc:
+        return counts, str(exc)
+    return counts, None
+
+
+def _all_checks(rank, world):
+    return _clip_checks(rank, world), _partial_checks(rank, world), _plain_checks(rank, world)
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return run_ranks(_all_checks, 4)
+
+
+def test_one_global_norm_over_mixed_meshes_and_plain_tensors(checks):
+    stats, _, _ = checks
     assert stats["clip_coef"] < 1.0 and stats["finite"] == 1.0
+
+
+def test_partial_gradients_are_summed_once_per_mesh_before_the_norm(checks):
+    _, (mixed, many), _ = checks
+    assert (mixed, many) == (3, 1)
+
+
+def test_plain_gradients_that_differ_across_ranks_are_refused(checks):
+    _, _, (counts, error) = checks
+    assert counts == [3]  # the two buckets' collectives and the check
+    assert error is not None and "plain (non-DTensor) parameters differ across ranks" in error
