@@ -173,9 +173,16 @@ def build_mesh(world_size: int, hybrid: bool):
 
 def build(world_size: int, hybrid: bool, bf16: bool = False):
     """The DMuon strategy (through ``build_strategy``), its wrap of the test
-    model, and the optimizer; ``bf16``: mixed precision and bf16 Newton–Schulz."""
+    model, and the optimizer; ``bf16``: mixed precision and bf16 Newton–Schulz.
+    FSDP accumulates unsharded gradients under ``no_sync``; HSDP takes the
+    default (reduce-scatter, defer the all-reduce): both defer the gradient."""
     mesh = build_mesh(world_size, hybrid)
-    config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=bf16)
+    config = FSDPConfig(
+        use_fsdp=True,
+        use_dmuon=True,
+        use_mixed_precision=bf16,
+        fsdp_accumulate_unsharded=not hybrid,
+    )
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=0, mesh=mesh)
     assert isinstance(strategy, DMuonFSDPStrategy)
     model = strategy.wrap(make_model())
@@ -189,6 +196,11 @@ def build(world_size: int, hybrid: bool, bf16: bool = False):
         **({} if hybrid else {"bucket_numel": 100}),
     )
     return strategy, model, optimizer
+
+
+def runtime(strategy) -> tuple:
+    """The strategy's ``no_sync`` and its global clip, as ``train`` takes them."""
+    return strategy.no_sync, lambda m, o: strategy.clip_grad_norm(m, MAX_NORM, optimizer=o)
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -211,12 +223,7 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
     """The schedule under one sharding mode; with ``ckpt_dir``, a DCP save
     after ``CKPT_AFTER`` steps."""
     strategy, model, opt = build(world_size, hybrid)
-    if hybrid:  # the strategy's clip and no_sync...
-        clip = lambda m, o: strategy.clip_grad_norm(m, MAX_NORM, optimizer=o)  # noqa: E731
-        no_sync = strategy.no_sync
-    else:  # ...and the dmuon runtime's, as the seed calls them
-        clip = lambda m, o: dmuon.clip_grad_norm_(o, MAX_NORM).total_norm  # noqa: E731
-        no_sync = dmuon.no_sync
+    no_sync, clip = runtime(strategy)
     counter = CountingNS()
     with mock.patch.object(newton_schulz, "zeropower_via_newtonschulz", counter):
         log = train(
@@ -263,15 +270,16 @@ def run_config(rank, world_size, hybrid, ckpt_dir=None) -> dict:
 
 def resume(rank, world_size, ckpt_dir) -> dict:
     """Load the checkpoint saved by the other world size and finish the run."""
-    _, model, opt = build(world_size, hybrid=False)
+    strategy, model, opt = build(world_size, hybrid=False)
     store = CheckpointStore.local(ckpt_dir)
     load_sharded(store, find_latest(store), model, opt)
+    no_sync, clip = runtime(strategy)
     train(
         model,
         opt,
         range(CKPT_AFTER, STEPS),
-        no_sync=dmuon.no_sync,
-        clip=lambda m, o: dmuon.clip_grad_norm_(o, MAX_NORM).total_norm,
+        no_sync=no_sync,
+        clip=clip,
         rank=rank,
         world_size=world_size,
     )
@@ -310,16 +318,9 @@ def column_sharded(rank, world_size) -> str:
 def bf16_run(rank, world_size) -> dict:
     """The whole schedule under bf16 mixed precision with bf16 Newton–Schulz
     (the defaults of a real run)."""
-    _, model, opt = build(world_size, hybrid=False, bf16=True)
-    train(
-        model,
-        opt,
-        range(STEPS),
-        no_sync=dmuon.no_sync,
-        clip=lambda m, o: dmuon.clip_grad_norm_(o, MAX_NORM).total_norm,
-        rank=rank,
-        world_size=world_size,
-    )
+    strategy, model, opt = build(world_size, hybrid=False, bf16=True)
+    no_sync, clip = runtime(strategy)
+    train(model, opt, range(STEPS), no_sync=no_sync, clip=clip, rank=rank, world_size=world_size)
     return full_params(model)
 
 

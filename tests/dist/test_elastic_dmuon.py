@@ -5,30 +5,24 @@ running torch's own Muon and AdamW ends. (4 -> 2 is tested in test_dmuon.py.)"""
 
 from __future__ import annotations
 
-from ray_fsdp_backend import dmuon
 from ray_fsdp_backend.checkpoint import CheckpointStore, save_sharded
 from tests.dist.harness import run_ranks
 from tests.dist.test_dmuon import (  # noqa: F401  (reference is a fixture)
     CKPT_AFTER,
-    MAX_NORM,
     assert_params_close,
     build,
     reference,
     resume,
+    runtime,
     train,
 )
 
 
 def save_at_two_ranks(rank, world_size, ckpt_dir) -> None:
-    _, model, opt = build(world_size, hybrid=False)
+    strategy, model, opt = build(world_size, hybrid=False)
+    no_sync, clip = runtime(strategy)
     train(
-        model,
-        opt,
-        range(CKPT_AFTER),
-        no_sync=dmuon.no_sync,
-        clip=lambda m, o: dmuon.clip_grad_norm_(o, MAX_NORM).total_norm,
-        rank=rank,
-        world_size=world_size,
+        model, opt, range(CKPT_AFTER), no_sync=no_sync, clip=clip, rank=rank, world_size=world_size
     )
     save_sharded(CheckpointStore.local(ckpt_dir), model, opt, strategy="dmuon")
 
