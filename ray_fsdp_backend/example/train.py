@@ -213,24 +213,20 @@ def mean_across_ranks(value: torch.Tensor, device: torch.device) -> float:
 
 
 class CheckpointHooks:
-    """Checkpoints through the context's helpers, plain reports without them.
-
-    The one place that knows whether this version of the backend has
-    ``ctx.save_checkpoint`` / ``ctx.restore_checkpoint``; the loop calls
+    """Checkpoints every ``every`` steps through the context's helpers, plain
+    metric reports between them (and always with ``every`` 0). The loop calls
     :meth:`restore` once and :meth:`report` at every logged step.
     """
 
     def __init__(self, ctx, every: int, async_save: bool = False) -> None:
         self.ctx, self.every, self.async_save = ctx, every, async_save
-        self.enabled = every > 0 and hasattr(ctx, "save_checkpoint")
+        self.enabled = every > 0
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.every == 0
 
     def restore(self, model, optimizer, schedule, batches) -> int:
         """Load the latest checkpoint if the run has one; returns its step (0: none)."""
-        if not hasattr(self.ctx, "restore_checkpoint"):
-            return 0
         extra = self.ctx.restore_checkpoint(model, optimizer)
         if not extra:
             return 0
