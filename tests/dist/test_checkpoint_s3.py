@@ -2,7 +2,8 @@
 ranks, no Ray: each rank reads only its byte ranges (bytes counted), restores
 reshard 4 -> 2 ranks exactly, and an asynchronous save writes the state as it
 was when staged, or, when its background write fails, leaves the previous
-checkpoint the newest complete one with an error that names the store."""
+checkpoint the newest complete one with an error that names the store;
+DMuon's state reshards 4 -> 2 ranks from S3 too."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ from ray_fsdp_backend.checkpoint import store as store_mod
 from ray_fsdp_backend.checkpoint.sharded import CheckpointStorageError, start_async_save
 from tests import counting_fs
 from tests.dist.test_checkpoint import FSDP, _assert_states_equal, _full_state, _step, _wrap
+from tests.dist.test_dmuon import (  # noqa: F401  (reference is a fixture)
+    CKPT_AFTER,
+    STEPS,
+    assert_params_close,
+    reference,
+    runtime,
+    train,
+)
+from tests.dist.test_dmuon import build as dmuon_build
 
 MODEL = {"dim": 256, "n_layers": 4}  # ~3 MiB with Adam moments: metadata stays small
 
@@ -104,3 +114,38 @@ def test_ranged_restore_reshard_and_async_save_on_s3(s3_server):
     _assert_states_equal(loaded, saved)
     _, async_loaded = run_ranks(_restore_two, 2, s3, root, "checkpoint_000002")
     _assert_states_equal(async_loaded, staged)
+
+
+def _dmuon_save(rank, world_size, s3, root):
+    strategy, model, opt = dmuon_build(world_size, hybrid=False)
+    no_sync, clip = runtime(strategy)
+    steps = range(CKPT_AFTER)
+    train(model, opt, steps, no_sync=no_sync, clip=clip, rank=rank, world_size=world_size)
+    return save_sharded(CheckpointStore(s3, root), model, opt, strategy="dmuon")
+
+
+def _dmuon_resume(rank, world_size, s3, root, name):
+    strategy, model, opt = dmuon_build(world_size, hybrid=False)
+    store = CheckpointStore(counting_fs.counting(s3), root)
+    read = _total_read(lambda: load_sharded(store, name, model, opt))
+    no_sync, clip = runtime(strategy)
+    steps = range(CKPT_AFTER, STEPS)
+    train(model, opt, steps, no_sync=no_sync, clip=clip, rank=rank, world_size=world_size)
+    return read, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def test_dmuon_state_reshards_4_to_2_ranks_from_s3(s3_server, reference):  # noqa: F811
+    """DMuon's momentum (sharded like its matrices) and the AdamW moments,
+    saved by 4 ranks on S3 and restored by 2 with ranged reads, end where
+    one process running torch's Muon and AdamW ends."""
+    from tests.dist.harness import run_ranks
+
+    s3 = s3_server.filesystem()
+    s3.create_dir("dist-dmuon")
+    root = "dist-dmuon/run"
+    name = run_ranks(_dmuon_save, 4, s3, root)
+    size = counting_fs.tree_size(s3, f"{root}/{name}")
+    read, params = run_ranks(_dmuon_resume, 2, s3, root, name)
+    print(f"DMuon checkpoint {size} B; restore at 2 ranks read {read} B ({read / size:.2f}x)")
+    assert read <= 1.2 * size, (read, size)
+    assert_params_close(params, reference[0], "DMuon saved at 4 ranks on S3, finished at 2")
