@@ -50,7 +50,7 @@ def _step(model, opt, rank: int, world_size: int) -> float:
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def _full_state(model, opt) -> dict[str, torch.Tensor]:
