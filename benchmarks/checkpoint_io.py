@@ -11,7 +11,10 @@ For one FSDP2 model with AdamW state, at each world size:
 - **stall**: training time lost to one checkpoint, ``steps`` training steps
   with a checkpoint at the first minus the same steps without; synchronous
   ``save_sharded`` vs ``start_async_save`` (its write overlaps the steps;
-  the wait for it at the end is counted).
+  the wait for it at the end is counted);
+- **staged**: how long ``start_async_save`` blocks the step that saves
+  (copying the state to host memory): the stall where the background write
+  has a core of its own (GPU training leaves the host's cores idle).
 
 Times are the slowest rank's medians over ``reps`` alternating repetitions.
 """
@@ -84,13 +87,17 @@ def _timed(fn) -> float:
 
 
 def _one_store(store: CheckpointStore, model, opt, step, *, reps: int, steps: int) -> dict:
-    times = {k: [] for k in ("save", "restore", "restore_before", "plain", "sync", "async")}
+    keys = ("save", "restore", "restore_before", "plain", "sync", "async", "staged")
+    times = {k: [] for k in keys}
+    staged = times["staged"]  # appended to by the async runs
     reads = {}
     for rep in range(reps):
         name = _save_restore(store, model, opt, rep, times, reads)
         times["plain"].append(_timed(lambda: [step() for _ in range(steps)]))
         times["sync"].append(_timed(lambda: _steps_with(store, model, opt, step, steps, False)))
-        times["async"].append(_timed(lambda: _steps_with(store, model, opt, step, steps, True)))
+        times["async"].append(
+            _timed(lambda: staged.append(_steps_with(store, model, opt, step, steps, True)))
+        )
     med = {k: statistics.median(_measure.max_over_ranks(v)) for k, v in times.items()}
     size = counting_fs.tree_size(store.fs, store.path(name))
     return {
@@ -102,6 +109,7 @@ def _one_store(store: CheckpointStore, model, opt, step, *, reps: int, steps: in
         "read_before": reads["restore_before"],
         "stall_sync_s": med["sync"] - med["plain"],
         "stall_async_s": med["async"] - med["plain"],
+        "staged_s": med["staged"],
         "step_s": med["plain"] / steps,
     }
 
@@ -120,16 +128,21 @@ def _save_restore(store, model, opt, rep: int, times: dict, reads: dict) -> str:
     return name
 
 
-def _steps_with(store, model, opt, step, steps: int, async_save: bool) -> None:
+def _steps_with(store, model, opt, step, steps: int, async_save: bool) -> float:
+    """``steps`` steps with a save after the first; returns how long the save
+    blocked this rank (for an async save: until the state was staged)."""
     step()
+    start = time.perf_counter()
     if async_save:
         pending = sharded.start_async_save(store, model, opt, extra_state={"step": 0})
     else:
         sharded.save_sharded(store, model, opt, extra_state={"step": 0})
+    blocked = time.perf_counter() - start
     for _ in range(steps - 1):
         step()
     if async_save:
         pending.wait()
+    return blocked
 
 
 def on_rank(rank: int, world: int, *, model: dict, local_root: str, s3_endpoint: str,

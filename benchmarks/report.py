@@ -16,6 +16,10 @@ def _ratio(t: dict) -> str:
     return f"{t['ratio']:.3f} ({t['ratio_min']:.2f}–{t['ratio_max']:.2f})"
 
 
+def _over(part: float, whole: float) -> str:
+    return f"{part / whole:.2f}" if whole > 0 else "-"
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -233,11 +237,12 @@ def _checkpoint_io(results: list[dict]) -> list[str]:
                 f"{m['restore_s']:.2f} vs {m['restore_before_s']:.2f}" if m["read"]
                 else f"{m['restore_s']:.2f} (in place, as before)",
                 f"{m['stall_sync_s']:.2f}", f"{m['stall_async_s']:.2f}",
-                f"{m['stall_async_s'] / m['stall_sync_s']:.2f}" if m["stall_sync_s"] > 0 else "-",
+                _over(m["stall_async_s"], m["stall_sync_s"]),
+                f"{m['staged_s']:.2f}", _over(m["staged_s"], m["stall_sync_s"]),
             ])  # fmt: skip
     header = ["ranks", "store", "checkpoint MiB", "MiB read per restore: ranged vs before",
               "save s", "restore s: ranged vs before", "stall sync s", "stall async s",
-              "async/sync"]  # fmt: skip
+              "async/sync", "async staged s", "staged/sync"]  # fmt: skip
     return [
         "#### 9. Checkpoints: bytes read per restore (all ranks; target ≤ 1.2x), save and "
         "restore time, training time lost per checkpoint (target async ≤ 0.25 of sync)",

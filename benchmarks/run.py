@@ -76,7 +76,7 @@ SETTINGS = {
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
         "compile": dict(world=2, model=SMALL, batch=4, accum=1, reps=7, steps=3),
         "pretrained": dict(worlds=(1, 2, 4), dim=512, layers=8, vocab=32000, reps=2),
-        "checkpoint_io": dict(worlds=(2, 4), model=SMALL, reps=2, steps=10),
+        "checkpoint_io": dict(worlds=(2, 4, 8), model=SMALL, reps=2, steps=10),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
