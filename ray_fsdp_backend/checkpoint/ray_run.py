@@ -56,6 +56,7 @@ from ray_fsdp_backend.checkpoint.layout import (
     names_in,
 )
 from ray_fsdp_backend.checkpoint.sharded import (
+    CheckpointStorageError,
     PendingSave,
     broadcast_from_rank0,
     load_sharded,
@@ -196,8 +197,11 @@ def restore_checkpoint(
         handed_marker = None if handed is None else _marker_of(handed)
         choice = choose_resume(markers, handed_marker, handed is not None)
         if not _SAVED:
-            with naming_store(store, "(unregistered)", "clearing"):
-                clear_dead_checkpoints(store)
+            try:
+                with naming_store(store, "(unregistered)", "clearing"):
+                    clear_dead_checkpoints(store)
+            except CheckpointStorageError as exc:  # housekeeping: never stops a resume
+                _logger.warning("ray_fsdp_backend: %s", exc)
         return choice
 
     choice = broadcast_from_rank0(choose)
