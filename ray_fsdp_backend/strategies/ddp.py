@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
-import types
 from contextlib import contextmanager
 
 import torch
@@ -38,16 +36,21 @@ def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
 def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
     """Run ``model``'s forward under ``torch.autocast``: DDP keeps one fp32
     copy of the weights, so mixed precision is autocast of the forward (the
-    weights stay fp32, matmuls run in ``dtype``). The forward is rebound as a
-    method so that ``copy.deepcopy`` of the model binds the copy."""
-    forward = model.forward.__func__
+    weights stay fp32, matmuls run in ``dtype``). Forward hooks enter and
+    leave the context (``always_call``: also when the forward raises), so any
+    forward works, its own or one assigned to the instance."""
+    active: list[torch.autocast] = []
 
-    @functools.wraps(forward)
-    def forward_under_autocast(self, *args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            return forward(self, *args, **kwargs)
+    def enter(module, args):
+        context = torch.autocast(device_type, dtype=dtype)
+        context.__enter__()
+        active.append(context)
 
-    model.forward = types.MethodType(forward_under_autocast, model)
+    def leave(module, args, output):
+        active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
 
 
 class DDPStrategy(DistributionStrategy):

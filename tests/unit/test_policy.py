@@ -84,3 +84,23 @@ def test_meta_model_without_an_initialiser_is_refused():
     with pytest.raises(ValueError, match=r"\['Raw'\] have parameters without reset_parameters"):
         materialize_meta_module(model, CPU)
     assert model[0].fc.weight.is_meta  # nothing was allocated
+
+
+def test_ddp_autocast_forward_covers_any_forward_and_ends_with_it():
+    from ray_fsdp_backend.strategies.ddp import autocast_forward
+
+    model = nn.Linear(4, 4)
+    model.forward = lambda x: nn.functional.linear(x, model.weight)  # an instance forward
+    autocast_forward(model, "cpu", torch.bfloat16)
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+    assert model.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+    class Failing(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("bad batch")
+
+    failing = Failing()
+    autocast_forward(failing, "cpu", torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        failing(torch.ones(1))
+    assert not torch.is_autocast_enabled("cpu")  # the failed forward left autocast off
