@@ -209,13 +209,11 @@ def compute_restart_deletions(
     with every incomplete one Ray never registered but the newest directory:
     its name anchors the sequence (:func:`next_checkpoint_name`), so that a
     new checkpoint never takes a name a dead writer may still be writing."""
+    names = [n for n in markers if parse_seq(n) is not None]
+    debris = stale_partials(markers, max(names, key=parse_seq)) if names else []
     known = set(ray_known)
-    names = sorted((n for n in markers if parse_seq(n) is not None), key=parse_seq)
-    complete = [n for n in names if decode_marker(markers[n])]
-    keep = len(complete) if num_to_keep is None or num_to_keep < 1 else num_to_keep
-    older = set(complete[: max(len(complete) - keep, 0)])
-    debris = {n for n in names[:-1] if not decode_marker(markers[n])}
-    return [n for n in names if n in older | debris and n not in known]
+    doomed = _beyond_kept(markers, num_to_keep) + debris
+    return sorted((n for n in doomed if n not in known), key=parse_seq)
 
 
 def compute_retention_deletions(
@@ -229,15 +227,21 @@ def compute_retention_deletions(
     own): and only when older than the newest one Ray registered, since Ray
     registers reports in order, a checkpoint older than a registered one
     that is not registered itself never will be (its worker died)."""
-    if num_to_keep is None or num_to_keep < 1:
-        return []
     known = {n for n in ray_known if parse_seq(n) is not None}
     if not known:
         return []
     newest_known = max(map(parse_seq, known))
+    older = _beyond_kept(markers, num_to_keep)
+    return [n for n in older if n not in known and parse_seq(n) < newest_known]
+
+
+def _beyond_kept(markers: Mapping[str, str | None], num_to_keep: int | None) -> list[str]:
+    """Complete checkpoints older than the newest ``num_to_keep``, oldest
+    first (none without ``num_to_keep``)."""
+    if num_to_keep is None or num_to_keep < 1:
+        return []
     complete = sorted(
         (n for n, text in markers.items() if parse_seq(n) is not None and decode_marker(text)),
         key=parse_seq,
     )
-    older = complete[: max(len(complete) - num_to_keep, 0)]
-    return [n for n in older if n not in known and parse_seq(n) < newest_known]
+    return complete[: max(len(complete) - num_to_keep, 0)]

@@ -152,17 +152,20 @@ def _report(metrics, store: CheckpointStore, name: str, mode, upload=None) -> No
 def retain(store: CheckpointStore, name: str) -> None:
     """Rank 0 after committing ``name``: delete complete checkpoints Ray never
     registered beyond the newest ``num_to_keep`` (see the module docstring)."""
-    _delete_unregistered(store, compute_retention_deletions)
+    _delete_unregistered(store, store.read_markers(), compute_retention_deletions)
 
 
-def clear_dead_checkpoints(store: CheckpointStore) -> None:
-    """Rank 0 when a worker group starts: delete what Ray will never register
-    beyond the newest ``num_to_keep`` complete checkpoints, and the
-    half-written ones (see the module docstring)."""
-    _delete_unregistered(store, compute_restart_deletions)
+def clear_dead_checkpoints(store: CheckpointStore, markers: Mapping[str, str | None]) -> None:
+    """Rank 0 when a worker group starts, with the store's ``markers`` it just
+    read: delete what Ray will never register beyond the newest
+    ``num_to_keep`` complete checkpoints, and the half-written ones (see the
+    module docstring)."""
+    _delete_unregistered(store, markers, compute_restart_deletions)
 
 
-def _delete_unregistered(store: CheckpointStore, choose_deletions) -> None:
+def _delete_unregistered(
+    store: CheckpointStore, markers: Mapping[str, str | None], choose_deletions
+) -> None:
     # Ray 2.60 exposes the run config to workers only through its internal context.
     from ray.train.v2._internal.execution.context import get_train_context
 
@@ -171,7 +174,7 @@ def _delete_unregistered(store: CheckpointStore, choose_deletions) -> None:
     # is dropping right now is in no snapshot any more, and deleting it too
     # would make Ray's own delete fail. Anything Ray ever listed stays Ray's.
     _SEEN_BY_RAY.update(names_in(store.read_text(_RAY_SNAPSHOT)))
-    for orphan in choose_deletions(store.read_markers(), _SEEN_BY_RAY, keep):
+    for orphan in choose_deletions(markers, _SEEN_BY_RAY, keep):
         _logger.info("ray_fsdp_backend: deleting unregistered checkpoint %s", orphan)
         store.delete(orphan)
 
@@ -199,7 +202,7 @@ def restore_checkpoint(
         if not _SAVED:
             try:
                 with naming_store(store, "(unregistered)", "clearing"):
-                    clear_dead_checkpoints(store)
+                    clear_dead_checkpoints(store, markers)
             except CheckpointStorageError as exc:  # housekeeping: never stops a resume
                 _logger.warning("ray_fsdp_backend: %s", exc)
         return choice
