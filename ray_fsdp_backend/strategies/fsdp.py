@@ -110,7 +110,7 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 @contextmanager
-def no_gradient_sync(model: nn.Module, *, unsharded: bool = True) -> Iterator[None]:
+def no_gradient_sync(model: nn.Module, *, unsharded: bool) -> Iterator[None]:
     """Defer gradient reduction on every FSDP module of ``model`` until the
     next synced backward. ``unsharded``: skip the reduce-scatter (and the HSDP
     all-reduce), accumulating full gradients on every rank; otherwise only
