@@ -11,6 +11,9 @@ matrix), it measures
   and receives in the two exchanges, momentum bytes per rank and matrices
   orthogonalised per rank, and each rank's CPU time per step over that of
   ``torch.optim.Muon`` (robust to other load on a shared machine);
+- teams: at 2 and 4 ranks, matrices that whole-matrix owners cannot spread
+  (one MLP matrix on 2 ranks, two on 4), with whole-matrix owners
+  (``max_team_size=1``) against teams (the default), at ``team_sizes``;
 - for comparison, the bytes a plain FSDP2 + AdamW training step moves per
   rank (all-gather in forward, again in backward, reduce-scatter of the
   gradients; the AdamW step itself moves nothing) and what a naive
@@ -24,7 +27,7 @@ reference); the per-rank Newton–Schulz time (``ns_ms_per_rank``) shows the
 work split even where the cores run out.
 
     python -m benchmarks.dmuon_bench            # prints JSON
-    python -m benchmarks.dmuon_bench --sizes 64 128 256 512 --ranks 1 2 4
+    python -m benchmarks.dmuon_bench --sizes 64 128 256 512 --ranks 1 2 4 --team-sizes 512 1024
 """
 
 from __future__ import annotations
@@ -45,19 +48,22 @@ from benchmarks import _measure
 FP32_BYTES = 4
 
 
+MATRICES = {"qkv": (3, 1), "out": (1, 1), "up": (4, 1), "down": (1, 4)}
+"""A layer's matrices: (rows, cols) in multiples of d_model."""
+
+
 class Layer(nn.Module):
-    def __init__(self, d: int):
+    def __init__(self, d: int, names: tuple[str, ...] = tuple(MATRICES)):
         super().__init__()
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
-        self.up = nn.Linear(d, 4 * d, bias=False)
-        self.down = nn.Linear(4 * d, d, bias=False)
+        for name in names:
+            rows, cols = MATRICES[name]
+            setattr(self, name, nn.Linear(cols * d, rows * d, bias=False))
 
 
 class Stack(nn.Module):
-    def __init__(self, d: int, n_layers: int):
+    def __init__(self, d: int, n_layers: int, names: tuple[str, ...] = tuple(MATRICES)):
         super().__init__()
-        self.layers = nn.ModuleList(Layer(d) for _ in range(n_layers))
+        self.layers = nn.ModuleList(Layer(d, names) for _ in range(n_layers))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,10 +78,10 @@ def _fill_grads(model: nn.Module, seed: int) -> None:
         _local(p.grad).copy_(torch.randn(_local(p).shape, generator=g))
 
 
-def _torch_muon(d: int, n_layers: int) -> torch.optim.Optimizer:
+def _torch_muon(d: int, n_layers: int, names=tuple(MATRICES)) -> torch.optim.Optimizer:
     """``torch.optim.Muon`` (bf16 Newton–Schulz) on full, unsharded matrices."""
     torch.manual_seed(0)
-    model = Stack(d, n_layers)
+    model = Stack(d, n_layers, names)
     _fill_grads(model, 0)
     return torch.optim.Muon(model.parameters(), lr=0.02)
 
@@ -90,21 +96,12 @@ def _dmuon_on_ranks(
     single-process reference, measured beside DMuon under the same load.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from ray_fsdp_backend.dmuon import Muon
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     out = []
     for d in sizes:
-        torch.manual_seed(0)
-        model = Stack(d, n_layers)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = Muon(model, lr=0.02)
-        _fill_grads(model, rank)
+        opt = _sharded_muon(mesh, rank, d, n_layers)
         reference = _torch_muon(d, n_layers)
         opt.step(), reference.step()  # warm-up outside the timers
         with _NSTimer() as ns:
@@ -128,6 +125,64 @@ def _dmuon_on_ranks(
     return out
 
 
+def _sharded_muon(mesh, rank: int, d: int, n_layers: int, names=tuple(MATRICES), **kwargs):
+    """DMuon on an FSDP2-sharded ``Stack`` with random gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ray_fsdp_backend.dmuon import Muon
+
+    torch.manual_seed(0)
+    model = Stack(d, n_layers, names)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = Muon(model, lr=0.02, **kwargs)
+    _fill_grads(model, rank)
+    return opt
+
+
+def _teams_on_ranks(rank: int, world_size: int, d: int, names, reps: int, steps: int) -> dict:
+    """Matrices that whole-matrix owners cannot spread over ``world_size``
+    ranks (``names`` of one layer): DMuon with whole-matrix owners
+    (``max_team_size=1``) against DMuon with teams (the default), alternated
+    with single-process ``torch.optim.Muon``; rank 0 returns the row."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    opts = {
+        "whole": _sharded_muon(mesh, rank, d, 1, names, max_team_size=1),
+        "teams": _sharded_muon(mesh, rank, d, 1, names),
+    }
+    reference = _torch_muon(d, 1, names)
+    for opt in (*opts.values(), reference):
+        opt.step()  # warm-up outside the timers
+    ns = {}
+    for name, opt in opts.items():
+        with _NSTimer() as timer:
+            for _ in range(reps):
+                opt.step()
+        ns[name] = timer.seconds / reps
+    steps_fns = {name: opt.step for name, opt in opts.items()}
+    times = _measure.alternate({**steps_fns, "torch_muon": reference.step},
+                               reps=reps, steps=steps, warmup=0)  # fmt: skip
+    row = {"d_model": d, "ranks": world_size, "matrices": list(names)}
+    for name, opt in opts.items():
+        ns_per_rank = [None] * world_size
+        dist.all_gather_object(ns_per_rank, ns[name])
+        sent = [None] * world_size
+        dist.all_gather_object(sent, opt.last_step_stats.bytes_sent)
+        row[name] = {
+            **_measure.compare(times[name], times["torch_muon"]),
+            "ns_ms_per_rank": [round(1e3 * t, 3) for t in ns_per_rank],
+            "bytes_sent_per_rank": max(sent),
+            "team_size": opt.plan.team_size,
+            "critical_path": opt.plan.critical_path / opt.plan.ideal,
+        }
+    row["teams_vs_whole"] = _measure.compare(times["teams"], times["whole"])
+    return row
+
+
 def _cpu_time_ratio(dmuon_step, torch_step, reps: int) -> float:
     """Median over ``reps`` alternating pairs of this process's CPU time in
     one DMuon step over that of one ``torch.optim.Muon`` step: unlike wall
@@ -146,25 +201,32 @@ def _cpu_time_ratio(dmuon_step, torch_step, reps: int) -> float:
 
 
 class _NSTimer:
-    """Seconds spent in DMuon's Newton–Schulz calls while active."""
+    """Seconds spent in DMuon's Newton–Schulz calls while active (a team's
+    include its Gram all-reduces and all-gathers)."""
+
+    NAMES = ("zeropower_via_newtonschulz", "zeropower_via_newtonschulz_split")
 
     def __enter__(self):
         from ray_fsdp_backend.dmuon import newton_schulz
 
         self.module, self.seconds = newton_schulz, 0.0
-        self.real = newton_schulz.zeropower_via_newtonschulz
+        self.real = {name: getattr(newton_schulz, name) for name in self.NAMES}
+        for name, real in self.real.items():
+            setattr(newton_schulz, name, self._timed(real))
+        return self
 
+    def _timed(self, real):
         def timed(*args):
             start = time.perf_counter()
-            out = self.real(*args)
+            out = real(*args)
             self.seconds += time.perf_counter() - start
             return out
 
-        newton_schulz.zeropower_via_newtonschulz = timed
-        return self
+        return timed
 
     def __exit__(self, *exc):
-        self.module.zeropower_via_newtonschulz = self.real
+        for name, real in self.real.items():
+            setattr(self.module, name, real)
 
 
 def _summarise_ranks(rows: list[dict]) -> dict:
@@ -176,6 +238,11 @@ def _summarise_ranks(rows: list[dict]) -> dict:
         "momentum_bytes_per_rank": [r["momentum_bytes"] for r in rows],
         "ns_matrices_per_rank": [r["ns_matrices"] for r in rows],
     }
+
+
+TEAM_CASES = {2: ("up",), 4: ("up", "down")}
+"""Per rank count, a layer's matrices that leave ranks idle with whole-matrix
+owners (one matrix on 2 ranks, two on 4): the planner splits them."""
 
 
 def analytic_bytes(d: int, n_layers: int, world_size: int) -> dict:
@@ -197,11 +264,18 @@ def run(
     n_layers: int = 4,
     reps: int = 5,
     steps: int = 2,
+    team_sizes: tuple[int, ...] = (512, 1024),
 ) -> dict:
     """Benchmark results as a JSON-ready dict (see the module docstring)."""
     from tests.dist.harness import run_ranks
 
     dmuon = {r: run_ranks(_dmuon_on_ranks, r, tuple(sizes), n_layers, reps, steps) for r in ranks}
+    teams = [
+        run_ranks(_teams_on_ranks, r, d, TEAM_CASES[r], reps, steps)
+        for r in ranks
+        if r in TEAM_CASES
+        for d in team_sizes
+    ]
     results = []
     for k, d in enumerate(sizes):
         row = {"d_model": d, "n_layers": n_layers, "num_matrices": 4 * n_layers}
@@ -214,6 +288,7 @@ def run(
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "results": results,
+        "teams": teams,
     }
 
 
@@ -224,8 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--team-sizes", type=int, nargs="+", default=[512, 1024])
     args = parser.parse_args(argv)
-    result = run(tuple(args.sizes), tuple(args.ranks), args.layers, args.reps, args.steps)
+    result = run(tuple(args.sizes), tuple(args.ranks), args.layers, args.reps, args.steps,
+                 tuple(args.team_sizes))  # fmt: skip
     print(json.dumps(result, indent=2))
 
 
