@@ -56,7 +56,7 @@ def zeropower_via_newtonschulz(
     if tall:
         x = x.mT
     for _ in range(steps):
-        gram = x @ x.mT
+        gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = _add_product(x, poly, a)
     return x.mT if tall else x
@@ -112,7 +112,7 @@ def zeropower_via_newtonschulz_split(
     size = -(-m // team.size)
     start, stop = min(m, team.rank * size), min(m, (team.rank + 1) * size)
     for _ in range(steps):
-        gram = x @ x.mT
+        gram = torch.bmm(x, x.mT)
         team.all_reduce(gram)
         rows = gram[:, start:stop]
         poly = team.all_gather_rows(torch.baddbmm(rows, rows, gram, beta=b, alpha=c), m)
