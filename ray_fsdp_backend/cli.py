@@ -158,7 +158,8 @@ def format_plan(spec: RunSpec, nodes: int, gpus_per_node: int) -> str:
 def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
     """The ``plan`` report for nodes running ``node_counts`` workers each."""
     world = sum(node_counts)
-    layout = resolve_layout(spec.distributed, topology_from_node_counts(node_counts))
+    topology = topology_from_node_counts(node_counts)
+    layout = resolve_layout(spec.distributed, topology)
     cfg = spec.distributed
     strategy = cfg.sharding_strategy if cfg.use_fsdp else None
     name = "DDP" if strategy is None else f"FSDP2 {strategy.value}"
@@ -196,12 +197,13 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
             lines += [f"  {format_ranks(g)}" for g in groups]
     lines += format_memory(spec, strategy, layout.axis_size(SHARD_AXIS))
     if cfg.use_dmuon:
-        lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS))
+        lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS), topology.node_block_size)
     return "\n".join(lines)
 
 
-def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
-    """DMuon's Newton–Schulz schedule for the example model (built on meta)."""
+def format_dmuon(spec: RunSpec, shard_size: int, max_team_size: int) -> list[str]:
+    """DMuon's Newton–Schulz schedule for the example model (built on meta),
+    with teams of at most ``max_team_size`` ranks, as the trainer builds it."""
     import torch
 
     from ray_fsdp_backend.dmuon.plan import format_ns_schedule
@@ -210,7 +212,7 @@ def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
 
     with torch.device("meta"):
         model = Transformer(spec.model)
-    return format_ns_schedule(dedicated_specs(model), shard_size)
+    return format_ns_schedule(dedicated_specs(model), shard_size, max_team_size=max_team_size)
 
 
 def _describe_nodes(node_counts: Sequence[int]) -> str:

@@ -60,7 +60,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
         with torch.device("meta"):
             model = Transformer(spec.model)
         model = ctx.wrap(model)  # shards, materialises and calls init_weights()
-    optimizer = build_optimizer(model, spec)
+    # DMuon teams stay inside a node (node_block_size ranks of the node-major mesh).
+    optimizer = build_optimizer(model, spec, max_team_size=ctx.topology.node_block_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
     batches = build_batches(spec, ctx.dp_rank, ctx.dp_size)
     checkpoints = CheckpointHooks(
@@ -160,19 +161,24 @@ def train_step(
     return total, grad_norm
 
 
-def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, spec: RunSpec, max_team_size: int | None = None
+) -> torch.optim.Optimizer:
     """AdamW (decay on 2-D weights only), or distributed Muon for the blocks'
-    matrices with AdamW for the rest."""
+    matrices with AdamW for the rest (``max_team_size``: Muon's; None: its
+    default)."""
     opts = spec.train
     if opts.optimizer == "muon":
         from ray_fsdp_backend.dmuon.optimizer import Muon
 
+        teams = {} if max_team_size is None else {"max_team_size": max_team_size}
         return Muon(
             model,
             lr=opts.lr,
             weight_decay=opts.weight_decay,
             adamw_lr=opts.adamw_lr,
             adamw_weight_decay=0.0,
+            **teams,
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]

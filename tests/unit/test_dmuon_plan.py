@@ -357,3 +357,5 @@ def test_plan_command_prints_teams_and_their_traffic():
     assert "whole-matrix owners 2.81x" in text
     assert "110 matrices split over teams of 8 ranks" in text
     assert "teams" not in cli.format_plan(spec, 1, 8)
+    # Teams never cross a node: with 4 GPUs per node, at most 4 ranks.
+    assert "110 matrices split over teams of 4 ranks" in cli.format_plan(spec, 32, 4)
