@@ -1,14 +1,15 @@
 """The collectives of DMuon: row shards to owners and back, by all-to-all,
-and the Gram all-reduce of teams.
+and those of teams.
 
 Where a matrix's rows live and who owns it is decided by the pure
 :mod:`~ray_fsdp_backend.dmuon.plan`; this module only packs tensors in the
 plan's order and calls ``all_to_all_single`` on the shard group, one pair
 per bucket of matrices, asynchronously so that the next bucket travels while
 the owners orthogonalise this one. A matrix split over a team travels the
-same way, each member receiving only its slice (the layout's pieces), and
-the team's members then all-reduce their partial Gram matrices on a process
-group of their own (``form_teams``). Each side packs and unpacks with one
+same way, each member receiving only its slice (the layout's pieces); the
+team's members then all-reduce their partial Gram matrices and all-gather
+rows of the Newton–Schulz polynomial on a process group of their own
+(:class:`Team`, ``form_teams``). Each side packs and unpacks with one
 copy: the momentum update is copied into the send buffer, an owner copies
 each sender's block of a batch straight into the batch's stack (no copy at
 all in a group of one), and results go back the same way. Uneven splits are fine for

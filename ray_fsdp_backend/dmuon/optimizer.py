@@ -63,7 +63,8 @@ class DMuonStepStats:
     ns_calls: int
     """Batched Newton–Schulz calls (one per owned shape in each bucket)."""
     bytes_sent: int
-    """Bytes this rank sent to other ranks in the two exchanges."""
+    """Bytes this rank sent to other ranks in the two exchanges and, in a
+    team, its collectives."""
     bytes_received: int
 
 
