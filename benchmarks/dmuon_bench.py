@@ -166,16 +166,15 @@ def _teams_on_ranks(rank: int, world_size: int, d: int, names, reps: int, steps:
     steps_fns = {name: opt.step for name, opt in opts.items()}
     times = _measure.alternate({**steps_fns, "torch_muon": reference.step},
                                reps=reps, steps=steps, warmup=0)  # fmt: skip
+    mine = {name: (ns[name], opt.last_step_stats.bytes_sent) for name, opt in opts.items()}
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, mine)
     row = {"d_model": d, "ranks": world_size, "matrices": list(names)}
     for name, opt in opts.items():
-        ns_per_rank = [None] * world_size
-        dist.all_gather_object(ns_per_rank, ns[name])
-        sent = [None] * world_size
-        dist.all_gather_object(sent, opt.last_step_stats.bytes_sent)
         row[name] = {
             **_measure.compare(times[name], times["torch_muon"]),
-            "ns_ms_per_rank": [round(1e3 * t, 3) for t in ns_per_rank],
-            "bytes_sent_per_rank": max(sent),
+            "ns_ms_per_rank": [round(1e3 * r[name][0], 3) for r in per_rank],
+            "bytes_sent_per_rank": max(r[name][1] for r in per_rank),
             "team_size": opt.plan.team_size,
             "critical_path": opt.plan.critical_path / opt.plan.ideal,
         }

@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
+from ray_fsdp_backend.dmuon.plan import row_range
+
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 NS_STEPS = DEFAULT_NS_STEPS
 NS_EPS = EPS
@@ -109,8 +111,7 @@ def zeropower_via_newtonschulz_split(
     if tall:
         x = x.mT
     m = x.size(-2)
-    size = -(-m // team.size)
-    start, stop = min(m, team.rank * size), min(m, (team.rank + 1) * size)
+    start, stop = row_range(m, team.size, team.rank)
     for _ in range(steps):
         gram = torch.bmm(x, x.mT)
         team.all_reduce(gram)

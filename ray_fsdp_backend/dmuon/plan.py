@@ -472,28 +472,31 @@ def _batch_order(plan: OwnershipPlan, ids: list[int]) -> tuple[int, ...]:
     return tuple(sorted(ids, key=lambda i: (not key[i][0], first[key[i]])))
 
 
-def _overlap(start: int, stop: int, lo: int, hi: int) -> tuple[int, int]:
-    """``[start, stop)`` clipped to ``[lo, hi)``; empty ranges keep ``start <= stop``."""
-    a = max(start, lo)
-    return a, max(a, min(stop, hi))
+def _held_rows(plan: OwnershipPlan, index: int, src: int, dst: int) -> tuple[int, int]:
+    """The rows of ``dst``'s piece of matrix ``index`` that ``src`` holds, as
+    a global ``[start, stop)`` (empty: ``start == stop``, possibly outside
+    both ranges, which slices to nothing)."""
+    r0, r1, _, _ = plan.piece(index, dst)
+    s0, s1 = row_range(plan.matrices[index].shape[0], plan.num_ranks, src)
+    start = max(r0, s0)
+    return start, max(start, min(r1, s1))
 
 
 def _piece_rows(plan: OwnershipPlan, index: int, rank: int, src: int) -> tuple[int, int]:
     """Rows of ``rank``'s piece of matrix ``index`` that ``src`` holds, in
     the piece's own row numbers."""
-    r0, r1, _, _ = plan.piece(index, rank)
-    a, b = _overlap(*row_range(plan.matrices[index].shape[0], plan.num_ranks, src), r0, r1)
-    return a - r0, b - r0
+    r0 = plan.piece(index, rank)[0]
+    start, stop = _held_rows(plan, index, src, rank)
+    return start - r0, stop - r0
 
 
 def _send_region(plan: OwnershipPlan, index: int, src: int, dst: int) -> tuple[int, int, int, int]:
     """The part of ``dst``'s piece of matrix ``index`` in ``src``'s shard, in
     the shard's own rows: ``(row_start, row_stop, col_start, col_stop)``."""
-    r0, r1, c0, c1 = plan.piece(index, dst)
-    s0, s1 = row_range(plan.matrices[index].shape[0], plan.num_ranks, src)
-    a, b = _overlap(r0, r1, s0, s1)
-    a, b = min(a, s1), min(b, s1)
-    return a - s0, b - s0, c0, c1
+    _, _, c0, c1 = plan.piece(index, dst)
+    s0 = row_range(plan.matrices[index].shape[0], plan.num_ranks, src)[0]
+    start, stop = _held_rows(plan, index, src, dst)
+    return start - s0, stop - s0, c0, c1
 
 
 def team_traffic(plan: OwnershipPlan, rank: int, ns_steps: int = 5) -> int:
@@ -523,7 +526,7 @@ def format_ns_schedule(
     if not matrices:
         return ["DMuon:    no dedicated matrices (everything goes to AdamW)"]
     plan = compute_ownership_plan(matrices, num_ranks, bucket_numel, max_team_size)
-    whole = compute_ownership_plan(matrices, num_ranks, bucket_numel)
+    whole = compute_ownership_plan(matrices, num_ranks, bucket_numel) if plan.split else plan
     in_order = replace(whole, buckets=compute_buckets(whole, bucket_numel))
     counts = [len(plan.owned_by(r)) for r in range(num_ranks)]
     tflop = 2 * plan.ideal * num_ranks / 1e12  # a multiply-add is two FLOPs

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ray_fsdp_backend as rfb
+from ray_fsdp_backend.dmuon.plan import DEFAULT_MAX_TEAM_SIZE
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.example.data import RayDataBatches, ShardedBatches, load_corpus
 from ray_fsdp_backend.example.model import Transformer
@@ -162,23 +163,21 @@ def train_step(
 
 
 def build_optimizer(
-    model: nn.Module, spec: RunSpec, max_team_size: int | None = None
+    model: nn.Module, spec: RunSpec, max_team_size: int = DEFAULT_MAX_TEAM_SIZE
 ) -> torch.optim.Optimizer:
     """AdamW (decay on 2-D weights only), or distributed Muon for the blocks'
-    matrices with AdamW for the rest (``max_team_size``: Muon's; None: its
-    default)."""
+    matrices with AdamW for the rest (``max_team_size``: Muon's)."""
     opts = spec.train
     if opts.optimizer == "muon":
         from ray_fsdp_backend.dmuon.optimizer import Muon
 
-        teams = {} if max_team_size is None else {"max_team_size": max_team_size}
         return Muon(
             model,
             lr=opts.lr,
             weight_decay=opts.weight_decay,
             adamw_lr=opts.adamw_lr,
             adamw_weight_decay=0.0,
-            **teams,
+            max_team_size=max_team_size,
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
