@@ -80,7 +80,7 @@ def _build_models(preset: dict, device: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ray_fsdp_backend import FSDPConfig, build_strategy
-    from ray_fsdp_backend.example.model import ModelConfig, Transformer
+    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
     cfg = ModelConfig(**preset)
     strategy = build_strategy(
@@ -165,7 +165,7 @@ def throughput(preset: dict, device: torch.device, *, batch: int, steps: int, re
 
 def dmuon_shapes(preset: dict) -> dict[tuple[int, int], int]:
     """How many matrices of each shape DMuon orthogonalises in the decoder."""
-    from ray_fsdp_backend.example.model import ModelConfig, Transformer
+    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
     with torch.device("meta"):
         model = Transformer(ModelConfig(**preset))
@@ -211,7 +211,7 @@ def offload_hsdp_dmuon(preset: dict, device: torch.device, *, batch: int, steps:
     from benchmarks import _workload
     from ray_fsdp_backend import FSDPConfig, build_strategy
     from ray_fsdp_backend.dmuon.optimizer import Muon
-    from ray_fsdp_backend.example.model import ModelConfig, Transformer
+    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
     cfg = ModelConfig(**preset)
     config = FSDPConfig(use_fsdp=True, fsdp_sharding_strategy="hybrid_shard",
@@ -254,7 +254,7 @@ def run(preset: dict, device: torch.device, *, batch: int, steps: int, reps: int
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from ray_fsdp_backend.example.model import PRESETS
+    from ray_fsdp_backend.trainer.model import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="1b")

@@ -57,7 +57,7 @@ class PeakRSS:
 
 def _ours(path, strategy):
     from ray_fsdp_backend import load_pretrained
-    from ray_fsdp_backend.pretrained.hf import build_causal_lm
+    from ray_fsdp_backend.hf.models import build_causal_lm
 
     model = strategy.wrap(build_causal_lm(path))
     load_pretrained(model, path)
@@ -76,7 +76,7 @@ def on_rank(rank: int, world: int, path: str, side: str, reps: int) -> dict:
     import torch.distributed.checkpoint  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import ray_fsdp_backend.pretrained.hf  # noqa: F401
+    import ray_fsdp_backend.hf.models  # noqa: F401
     from ray_fsdp_backend import FSDPConfig, build_strategy
 
     config = FSDPConfig(use_fsdp=True, use_mixed_precision=False)

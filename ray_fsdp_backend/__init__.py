@@ -22,8 +22,8 @@ _EXPORTS = {
     "ShardingStrategy": "ray_fsdp_backend.config",
     "TrainContext": "ray_fsdp_backend.context",
     "get_context": "ray_fsdp_backend.context",
-    "load_pretrained": "ray_fsdp_backend.pretrained",
-    "PretrainedCheckpointError": "ray_fsdp_backend.pretrained",
+    "load_pretrained": "ray_fsdp_backend.hf",
+    "PretrainedCheckpointError": "ray_fsdp_backend.hf",
     "DDPStrategy": "ray_fsdp_backend.strategies",
     "DistributionStrategy": "ray_fsdp_backend.strategies",
     "FSDPStrategy": "ray_fsdp_backend.strategies",
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.config import FSDPSettings, ShardingStrategy
     from ray_fsdp_backend.context import TrainContext, get_context
-    from ray_fsdp_backend.pretrained import PretrainedCheckpointError, load_pretrained
+    from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
     from ray_fsdp_backend.strategies import (
         DDPStrategy,
         DistributionStrategy,

@@ -22,16 +22,16 @@ import time
 from collections.abc import Sequence
 
 from ray_fsdp_backend.elastic import describe_split, elastic_world_sizes, worker_range
-from ray_fsdp_backend.example.spec import (
+from ray_fsdp_backend.memory import ModelSize, estimate_memory, format_bytes
+from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS, topology_from_node_counts
+from ray_fsdp_backend.trainer.spec import (
     RunSpec,
     apply_overrides,
     build_spec,
     check_spec,
     load_yaml,
 )
-from ray_fsdp_backend.memory import ModelSize, estimate_memory, format_bytes
-from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS, topology_from_node_counts
 
 EXIT_INVALID = 2
 
@@ -208,7 +208,7 @@ def format_dmuon(spec: RunSpec, shard_size: int, max_team_size: int) -> list[str
 
     from ray_fsdp_backend.dmuon.plan import format_ns_schedule
     from ray_fsdp_backend.dmuon.selection import dedicated_specs
-    from ray_fsdp_backend.example.model import Transformer
+    from ray_fsdp_backend.trainer.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(spec.model)
@@ -304,7 +304,7 @@ def run_training(spec: RunSpec, name: str):
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_fsdp_backend.example.train import train_loop_per_worker
+    from ray_fsdp_backend.trainer.train import train_loop_per_worker
 
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
@@ -362,7 +362,7 @@ def build_datasets(spec: RunSpec) -> dict | None:
         return None
     import ray.data
 
-    from ray_fsdp_backend.example.data import pack_text_rows
+    from ray_fsdp_backend.trainer.data import pack_text_rows
 
     rows = ray.data.read_text(spec.data.path).map_batches(
         pack_text_rows, fn_kwargs={"seq_len": spec.model.seq_len}, batch_size=1024

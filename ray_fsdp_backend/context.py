@@ -86,13 +86,13 @@ class TrainContext:
         start_tokens: int = 0,
         flops_per_token: float | None = None,
     ):
-        """A :class:`~ray_fsdp_backend.meter.StepMeter` for this rank: tokens/s,
+        """A :class:`~ray_fsdp_backend.metrics.reporting.StepMeter` for this rank: tokens/s,
         step time, TFLOP/s, MFU, peak memory and ETA at each ``measure(step)``.
         FLOPs per token default to an estimate read off ``model`` (a decoder
         transformer); the peak is ``config.peak_tflops`` or the known
         accelerator's for the compute dtype (none on CPU: no MFU)."""
-        from ray_fsdp_backend.meter import StepMeter, estimate_flops_per_token
-        from ray_fsdp_backend.metrics import compute_dtype, resolve_peak_flops
+        from ray_fsdp_backend.metrics.flops import compute_dtype, resolve_peak_flops
+        from ray_fsdp_backend.metrics.reporting import StepMeter, estimate_flops_per_token
 
         cfg = self.config
         if flops_per_token is None:
@@ -165,8 +165,8 @@ class TrainContext:
         safetensors, index, ``config.json``) that ``from_pretrained`` loads, each
         rank writing what it owns; a path ending in ``.safetensors`` (or
         ``format="safetensors"``) gives one file from rank 0. Every rank calls
-        it; returns ``path``. See :func:`ray_fsdp_backend.checkpoint.export_model`."""
-        from ray_fsdp_backend.checkpoint import export_model
+        it; returns ``path``. See :func:`ray_fsdp_backend.hf.export_model`."""
+        from ray_fsdp_backend.hf import export_model
 
         return export_model(model, path, format=format, max_shard_size=max_shard_size, dtype=dtype)
 
@@ -174,8 +174,8 @@ class TrainContext:
         """Load Hugging Face safetensors weights (a directory, a file, a URI or a
         path on ``filesystem``) into the wrapped ``model``, each rank reading
         only the byte ranges it owns. Call after ``wrap``, before building the
-        optimizer. See :func:`ray_fsdp_backend.pretrained.load_pretrained`."""
-        from ray_fsdp_backend.pretrained import load_pretrained
+        optimizer. See :func:`ray_fsdp_backend.hf.load_pretrained`."""
+        from ray_fsdp_backend.hf import load_pretrained
 
         return load_pretrained(model, path, filesystem=filesystem, key_map=key_map)
 

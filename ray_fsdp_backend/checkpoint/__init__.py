@@ -1,4 +1,6 @@
-"""Sharded checkpoints, exact resume and export.
+"""The backend's own sharded (DCP) checkpoints and exact resume.
+
+Hugging Face weights, both ways, live in :mod:`ray_fsdp_backend.hf`.
 
 - :mod:`.layout` (pure): names, completeness, which checkpoint to resume,
   key/shape mismatches.
@@ -7,13 +9,10 @@
   ``torch.distributed`` job.
 - :mod:`.ray_run`: the same inside a Ray Train run (report, restore after a
   restart).
-- :mod:`.export`: full weights as one safetensors file.
 
-``TrainContext.save_checkpoint`` / ``restore_checkpoint`` / ``export_model``
-delegate here.
+``TrainContext.save_checkpoint`` / ``restore_checkpoint`` delegate here.
 """
 
-from ray_fsdp_backend.checkpoint.export import export_model
 from ray_fsdp_backend.checkpoint.ray_run import restore_checkpoint, save_checkpoint
 from ray_fsdp_backend.checkpoint.sharded import (
     CheckpointMismatchError,
@@ -26,7 +25,6 @@ from ray_fsdp_backend.checkpoint.store import CheckpointStore
 __all__ = [
     "CheckpointMismatchError",
     "CheckpointStore",
-    "export_model",
     "find_latest",
     "load_sharded",
     "restore_checkpoint",

@@ -21,12 +21,12 @@ import ray_fsdp_backend as rfb
 from ray_fsdp_backend.checkpoint import (
     CheckpointMismatchError,
     CheckpointStore,
-    export_model,
     find_latest,
     load_sharded,
     save_sharded,
     sharded,
 )
+from ray_fsdp_backend.hf import export_model
 from tests.dist.harness import run_ranks
 from tests.models import make_batch, reference_model
 

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
-from ray_fsdp_backend.pretrained.hf import build_causal_lm
+from ray_fsdp_backend.hf.models import build_causal_lm
 from tests.dist.harness import run_ranks
 from tests.hf_models import input_ids, save_tiny_pretrained
 
@@ -134,7 +134,7 @@ def _finetune_export(rank, world, path, out, name):
         opt.zero_grad()
         model(ids[2 * rank : 2 * rank + 2], labels=ids[2 * rank : 2 * rank + 2]).loss.backward()
         opt.step()
-    from ray_fsdp_backend.checkpoint import export_model
+    from ray_fsdp_backend.hf import export_model
 
     export_model(model, os.path.join(out, "fp32"), max_shard_size="20KB", dtype=torch.float32)
     export_model(model, os.path.join(out, "default"))

@@ -31,7 +31,7 @@ for path in sys.argv[1:3]:
 
 
 def test_finetune_hf_yaml_trains_and_exports(tmp_path):
-    from ray_fsdp_backend.example.tiny_pretrained import CORPUS, save_tiny_pretrained
+    from ray_fsdp_backend.trainer.tiny_pretrained import CORPUS, save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained", tied=True)
     export = tmp_path / "finetuned"

@@ -10,9 +10,9 @@ import yaml
 
 from ray_fsdp_backend import FSDPConfig
 from ray_fsdp_backend.cli import format_ranks, main
-from ray_fsdp_backend.example.spec import apply_overrides, build_spec, load_yaml
 from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import compute_mesh_layout, compute_topology_from_env
+from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(EXAMPLES.glob("*.yaml"))

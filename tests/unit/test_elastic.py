@@ -12,10 +12,10 @@ from ray_fsdp_backend.elastic import (
     split_global_batch,
     worker_range,
 )
-from ray_fsdp_backend.example.data import compute_rank_samples, skipped_batches
-from ray_fsdp_backend.example.spec import build_spec, check_spec
 from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import topology_from_node_counts
+from ray_fsdp_backend.trainer.data import compute_rank_samples, skipped_batches
+from ray_fsdp_backend.trainer.spec import build_spec, check_spec
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from ray_fsdp_backend.config import ShardingStrategy
-from ray_fsdp_backend.example.model import ModelConfig
 from ray_fsdp_backend.memory import (
     ModelSize,
     compute_optimizer_state_bytes,
     estimate_memory,
     format_bytes,
 )
+from ray_fsdp_backend.trainer.model import ModelConfig
 
 N, U, M = 1_000_000, 100_000, 800_000
 SIZE = ModelSize(num_params=N, largest_unit_params=U, matrix_params=M)

@@ -11,16 +11,20 @@ import torch
 from torch import nn
 
 from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.example.model import ModelConfig, Transformer
-from ray_fsdp_backend.meter import StepMeter, estimate_flops_per_token, show_ray_report_lines
-from ray_fsdp_backend.metrics import (
+from ray_fsdp_backend.metrics.flops import (
     compute_dtype,
     flops_per_token,
     format_progress,
     resolve_peak_flops,
     throughput_metrics,
 )
+from ray_fsdp_backend.metrics.reporting import (
+    StepMeter,
+    estimate_flops_per_token,
+    show_ray_report_lines,
+)
 from ray_fsdp_backend.strategies.blocks import apply_compile, find_blocks
+from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
 TINY = ModelConfig(dim=128, n_layers=4, n_heads=4, seq_len=128)
 
@@ -43,8 +47,8 @@ def test_flops_per_token_of_the_tiny_model_by_hand():
 
 
 def test_blocks_are_counted_by_class_name_also_after_wrapping():
-    from ray_fsdp_backend.example.model import Block
-    from ray_fsdp_backend.meter import count_blocks
+    from ray_fsdp_backend.metrics.reporting import count_blocks
+    from ray_fsdp_backend.trainer.model import Block
 
     with torch.device("meta"):
         model = Transformer(TINY)

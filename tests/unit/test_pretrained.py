@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ray_fsdp_backend.pretrained import PretrainedCheckpointError, load_pretrained
-from ray_fsdp_backend.pretrained.entries import TensorEntry
-from ray_fsdp_backend.pretrained.experts import fuse_experts
+from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
+from ray_fsdp_backend.hf.entries import TensorEntry
+from ray_fsdp_backend.hf.experts import fuse_experts
 from tests.counting_fs import CountingFileSystem
 from tests.models import ToyNet, reference_model
 
@@ -165,7 +165,7 @@ def test_core_never_imports_transformers():
     import sys
 
     code = (
-        "import sys, ray_fsdp_backend as r, ray_fsdp_backend.cli, ray_fsdp_backend.example.train\n"
+        "import sys, ray_fsdp_backend as r, ray_fsdp_backend.cli, ray_fsdp_backend.trainer.train\n"
         "r.load_pretrained, r.get_context\n"
         "assert 'transformers' not in sys.modules, 'transformers imported'\n"
     )

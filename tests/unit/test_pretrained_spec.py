@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ray_fsdp_backend.cli import main
-from ray_fsdp_backend.example.pretrained import PretrainedModelConfig
-from ray_fsdp_backend.example.spec import build_spec, check_spec, load_yaml
+from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
+from ray_fsdp_backend.trainer.spec import build_spec, check_spec, load_yaml
 
 pytest.importorskip("transformers")
 

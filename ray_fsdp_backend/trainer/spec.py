@@ -3,7 +3,7 @@
 A training config has these top-level sections::
 
     distributed:   FSDPConfig fields (ray_fsdp_backend.config.FSDPSettings)
-    model:         ModelConfig fields (ray_fsdp_backend.example.model)
+    model:         ModelConfig fields (ray_fsdp_backend.trainer.model)
     train:         TrainOptions fields (steps, batch sizes, lr, optimizer, ...)
     data:          DataOptions fields (corpus path or a Ray Data text dataset)
     scaling:       ScalingOptions fields (workers, GPUs, resources)
@@ -29,8 +29,8 @@ import yaml
 
 from ray_fsdp_backend.backend import FSDPConfig
 from ray_fsdp_backend.elastic import elastic_world_sizes, worker_range
-from ray_fsdp_backend.example.model import ModelConfig
-from ray_fsdp_backend.example.pretrained import PretrainedModelConfig, build_model_section
+from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ray_fsdp_backend.filesystem import resolve_filesystem
-from ray_fsdp_backend.pretrained.entries import Entry
-from ray_fsdp_backend.pretrained.experts import fuse_experts
-from ray_fsdp_backend.pretrained.reader import (
+from ray_fsdp_backend.hf.entries import Entry
+from ray_fsdp_backend.hf.experts import fuse_experts
+from ray_fsdp_backend.hf.reader import (
     KeyMap,
     PretrainedCheckpointError,
     SafetensorsReader,

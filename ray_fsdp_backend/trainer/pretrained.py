@@ -1,7 +1,7 @@
 """``model: pretrained: <dir or URI>``: fine-tune a Hugging Face causal LM.
 
 The ``model:`` section of a training YAML either describes the example
-Transformer (:class:`~ray_fsdp_backend.example.model.ModelConfig`) or names a
+Transformer (:class:`~ray_fsdp_backend.trainer.model.ModelConfig`) or names a
 pretrained checkpoint directory::
 
     model:
@@ -11,7 +11,7 @@ pretrained checkpoint directory::
 
 The worker builds the model from its ``config.json`` on the meta device,
 wraps it, loads the weights shard by shard
-(:func:`~ray_fsdp_backend.pretrained.load_pretrained`) and tokenizes the
+(:func:`~ray_fsdp_backend.hf.load_pretrained`) and tokenizes the
 corpus with the tokenizer saved beside the weights. ``ray-fsdp plan`` counts
 parameters on a meta-device model built from ``config.json``: no weights read.
 ``transformers`` is imported on use only.
@@ -77,7 +77,7 @@ class PretrainedModelConfig:
 
 def build_model_section(values: dict[str, Any]):
     """The ``model:`` section: a pretrained checkpoint, or the example model."""
-    from ray_fsdp_backend.example.model import ModelConfig
+    from ray_fsdp_backend.trainer.model import ModelConfig
 
     if "pretrained" in (values or {}):
         return PretrainedModelConfig.from_dict(dict(values))
@@ -88,7 +88,7 @@ def build_model_section(values: dict[str, Any]):
 def _sizes(path: str) -> dict[str, int]:
     """Parameter counts of the model ``config.json`` describes, from a meta
     model (nothing allocated, no weights read)."""
-    from ray_fsdp_backend.pretrained.hf import build_causal_lm
+    from ray_fsdp_backend.hf.models import build_causal_lm
 
     model = build_causal_lm(path)
     blocks = _layer_lists(model)
@@ -119,7 +119,7 @@ def _count(module: nn.Module) -> int:
 
 def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
     """The pretrained model, wrapped by ``ctx`` and loaded shard by shard."""
-    from ray_fsdp_backend.pretrained.hf import build_causal_lm
+    from ray_fsdp_backend.hf.models import build_causal_lm
 
     model = ctx.wrap(build_causal_lm(cfg.pretrained))
     ctx.load_pretrained(model, cfg.pretrained)
@@ -129,8 +129,8 @@ def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
 def tokenize_corpus(cfg: PretrainedModelConfig, path: str | None) -> torch.Tensor:
     """The corpus (``data.path``, or the shipped one) as the checkpoint
     tokenizer's ids, one long int64 tensor."""
-    from ray_fsdp_backend.example.data import load_corpus
-    from ray_fsdp_backend.pretrained.hf import load_tokenizer
+    from ray_fsdp_backend.hf.models import load_tokenizer
+    from ray_fsdp_backend.trainer.data import load_corpus
 
     text = load_corpus(path).to(torch.uint8).numpy().tobytes().decode("utf-8", errors="replace")
     tokenizer = load_tokenizer(cfg.pretrained)

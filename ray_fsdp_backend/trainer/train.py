@@ -10,7 +10,7 @@ and returns the metric history, which the driver turns into
 ``metrics.jsonl`` and ``loss_curve.png``.
 
 ``loop_config`` is the training YAML document after ``--set`` overrides (see
-:mod:`ray_fsdp_backend.example.spec`).
+:mod:`ray_fsdp_backend.trainer.spec`).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from torch import nn
 import ray_fsdp_backend as rfb
 from ray_fsdp_backend.dmuon.plan import DEFAULT_MAX_TEAM_SIZE
 from ray_fsdp_backend.elastic import split_global_batch
-from ray_fsdp_backend.example.data import RayDataBatches, ShardedBatches, load_corpus
-from ray_fsdp_backend.example.model import Transformer
-from ray_fsdp_backend.example.pretrained import (
+from ray_fsdp_backend.metrics.flops import format_progress
+from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, show_ray_report_lines
+from ray_fsdp_backend.trainer.data import RayDataBatches, ShardedBatches, load_corpus
+from ray_fsdp_backend.trainer.model import Transformer
+from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
     build_pretrained,
     tokenize_corpus,
 )
-from ray_fsdp_backend.example.spec import RunSpec, TrainOptions, build_spec
-from ray_fsdp_backend.meter import TensorBoardWriter, show_ray_report_lines
-from ray_fsdp_backend.metrics import format_progress
+from ray_fsdp_backend.trainer.spec import RunSpec, TrainOptions, build_spec
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a
 # worker's print to write to stdout *and* its logger, so the driver shows

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ray_fsdp_backend.pretrained.entries import Entry, ExpertsEntry, TensorEntry
+from ray_fsdp_backend.hf.entries import Entry, ExpertsEntry, TensorEntry
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

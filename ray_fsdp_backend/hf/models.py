@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
-from ray_fsdp_backend.pretrained.reader import list_checkpoint_files, read_file_header
+from ray_fsdp_backend.hf.reader import list_checkpoint_files, read_file_header
 
 _METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 
@@ -44,7 +44,7 @@ def build_causal_lm(
 ) -> nn.Module:
     """The checkpoint's causal LM (``AutoConfig`` + ``from_config``) built on
     the meta device in ``dtype``: no memory until a strategy wraps it; then
-    :func:`~ray_fsdp_backend.pretrained.load_pretrained` fills it."""
+    :func:`~ray_fsdp_backend.hf.load_pretrained` fills it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(metadata_dir(path, filesystem))

@@ -2,7 +2,7 @@
 
 PURE: ints, floats and strings in and out; no torch, no Ray. The side that
 measures (timers, memory, cross-rank reductions) is
-:class:`ray_fsdp_backend.meter.StepMeter`.
+:class:`ray_fsdp_backend.metrics.reporting.StepMeter`.
 
 FLOPs are counted as torchtitan counts them (``get_nparams_and_flops``):
 ``6 * N`` per token for the matmuls of forward and backward over the ``N``

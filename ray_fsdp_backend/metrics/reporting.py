@@ -3,7 +3,7 @@
 ``StepMeter`` counts the tokens each rank trains, times the steps between
 logged ones and reads peak memory, and at a logged step reduces them over
 all ranks into the dict the loop reports (the arithmetic is in
-:mod:`ray_fsdp_backend.metrics`). ``ctx.step_meter(...)`` builds one with the
+:mod:`ray_fsdp_backend.metrics.flops`). ``ctx.step_meter(...)`` builds one with the
 model's FLOPs per token and the device's peak FLOP/s already resolved::
 
     meter = ctx.step_meter(model, seq_len=1024, total_steps=1000)
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_fsdp_backend.metrics import flops_per_token, throughput_metrics
+from ray_fsdp_backend.metrics.flops import flops_per_token, throughput_metrics
 from ray_fsdp_backend.strategies.blocks import find_blocks
 
 _GIB = 1024**3

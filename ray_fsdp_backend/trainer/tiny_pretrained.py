@@ -6,7 +6,7 @@ example makes its own "pretrained" model: a random tiny causal LM of one of
 safetensors files, and a byte-level BPE tokenizer trained with the
 ``tokenizers`` library on the shipped corpus::
 
-    python -m ray_fsdp_backend.example.tiny_pretrained /tmp/rfb-tiny-llama
+    python -m ray_fsdp_backend.trainer.tiny_pretrained /tmp/rfb-tiny-llama
     ray-fsdp train examples/finetune_hf.yaml
 """
 

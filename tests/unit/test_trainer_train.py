@@ -11,10 +11,10 @@ import torch
 
 from ray_fsdp_backend.cli import merge_history
 from ray_fsdp_backend.clip import clip_grad_norm_
-from ray_fsdp_backend.example import train
-from ray_fsdp_backend.example.data import ShardedBatches, load_corpus
-from ray_fsdp_backend.example.model import Transformer
-from ray_fsdp_backend.example.spec import TrainOptions, load_spec
+from ray_fsdp_backend.trainer import train
+from ray_fsdp_backend.trainer.data import ShardedBatches, load_corpus
+from ray_fsdp_backend.trainer.model import Transformer
+from ray_fsdp_backend.trainer.spec import TrainOptions, load_spec
 
 CPU_TINY = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ray_fsdp_backend.pretrained.entries import ExpertsEntry, TensorEntry
+from ray_fsdp_backend.hf.entries import ExpertsEntry, TensorEntry
 
 # fused model suffix -> per-expert checkpoint names concatenated along dim 0, per family
 _FUSED = {

@@ -1,4 +1,4 @@
-"""Export a model's full weights: Hugging Face layout (:mod:`.hf_export`) or
+"""Export a model's full weights: Hugging Face layout (:mod:`.writer`) or
 one safetensors file."""
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def export_model(
     if format not in ("hf", "safetensors"):
         raise ValueError(f"export_model format={format!r} is not one of hf, safetensors")
     if format == "hf" and not path.endswith(".safetensors"):
-        from ray_fsdp_backend.checkpoint.hf_export import export_hf
-        from ray_fsdp_backend.pretrained.load import pretrained_dtype
+        from ray_fsdp_backend.hf.load import pretrained_dtype
+        from ray_fsdp_backend.hf.writer import export_hf
 
         dtype = dtype or pretrained_dtype(model) or next(model.parameters()).dtype
         return export_hf(model, path, max_shard_size=max_shard_size, dtype=dtype)

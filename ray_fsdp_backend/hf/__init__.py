@@ -1,0 +1,18 @@
+"""The Hugging Face format, both ways: sharded loading from and export to safetensors.
+
+- :mod:`.entries`, :mod:`.reader`: the checkpoint's files and headers, and a
+  DCP reader that reads byte ranges through ``pyarrow.fs`` (local disk or
+  object storage).
+- :mod:`.experts`: per-expert checkpoint tensors fused into a model's stacked
+  expert parameters.
+- :mod:`.load`: :func:`load_pretrained`, checks before any weight is read.
+- :mod:`.export`, :mod:`.writer`: :func:`export_model`, full weights in
+  Hugging Face layout (or one safetensors file) from sharded state.
+- :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
+"""
+
+from ray_fsdp_backend.hf.export import export_model
+from ray_fsdp_backend.hf.load import load_pretrained
+from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
+
+__all__ = ["PretrainedCheckpointError", "export_model", "load_pretrained"]
