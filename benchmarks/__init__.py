@@ -3,5 +3,5 @@ and the limits.
 
 ``python -m benchmarks.run`` runs every comparison side by side and writes
 ``results.json`` and ``results.md``; ``python -m benchmarks.gpu`` measures
-throughput on one GPU. The README's Benchmarks section shows the latest tables.
+throughput on one GPU. docs/benchmarks.md shows the latest tables.
 """

@@ -1,11 +1,11 @@
-"""Markdown tables of ``benchmarks.run`` results (what the README quotes)."""
+"""Markdown tables of ``benchmarks.run`` results (what docs/benchmarks.md quotes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-README_START = "<!-- benchmark results: start (python -m benchmarks.run --update-readme) -->"
-README_END = "<!-- benchmark results: end -->"
+DOCS_START = "<!-- benchmark results: start (python -m benchmarks.run --update-docs) -->"
+DOCS_END = "<!-- benchmark results: end -->"
 
 
 def _mib(n: float) -> str:
@@ -307,15 +307,15 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, table: str) -> None:
-    """Replace the README's text between the benchmark markers with ``table``.
+def update_docs(page: Path, table: str) -> None:
+    """Replace the text of ``page`` between the benchmark markers with ``table``.
 
     Raises:
-        ValueError: the README lacks the markers.
+        ValueError: ``page`` lacks the markers.
     """
-    text = readme.read_text()
-    start, end = text.find(README_START), text.find(README_END)
+    text = page.read_text()
+    start, end = text.find(DOCS_START), text.find(DOCS_END)
     if start < 0 or end < start:
-        raise ValueError(f"{readme} has no '{README_START}' ... '{README_END}' section")
-    head = text[: start + len(README_START)]
-    readme.write_text(f"{head}\n\n{table.strip()}\n\n{text[end:]}")
+        raise ValueError(f"{page} has no '{DOCS_START}' ... '{DOCS_END}' section")
+    head = text[: start + len(DOCS_START)]
+    page.write_text(f"{head}\n\n{table.strip()}\n\n{text[end:]}")

@@ -21,7 +21,7 @@ test suite's smoke run); ``--only`` picks comparisons by name.
 
     python -m benchmarks.run                       # everything, ~4 min on 2 cores
     python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~1 min
-    python -m benchmarks.run --update-readme       # and put the tables into README.md
+    python -m benchmarks.run --update-docs       # and put the tables into docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> Path:
         help=f"comparisons to run, of: {', '.join(COMPARISONS)}",
     )  # fmt: skip
     parser.add_argument(
-        "--update-readme", action="store_true", help="put the tables into README.md"
+        "--update-docs", action="store_true", help="put the tables into docs/benchmarks.md"
     )
     args = parser.parse_args(argv)
     results = run("quick" if args.quick else "full", tuple(args.only))
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> Path:
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = report.markdown(results)
     (args.out / "results.md").write_text(table)
-    if args.update_readme:
-        report.update_readme(Path(__file__).parent.parent / "README.md", table)
+    if args.update_docs:
+        report.update_docs(Path(__file__).parent.parent / "docs" / "benchmarks.md", table)
     print(table)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
     return args.out
