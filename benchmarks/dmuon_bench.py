@@ -11,9 +11,6 @@ matrix), it measures
   and receives in the two exchanges, momentum bytes per rank and matrices
   orthogonalised per rank, and each rank's CPU time per step over that of
   ``torch.optim.Muon`` (robust to other load on a shared machine);
-- teams: at 2 and 4 ranks, matrices that whole-matrix owners cannot spread
-  (one MLP matrix on 2 ranks, two on 4), with whole-matrix owners
-  (``max_team_size=1``) against teams (the default), at ``team_sizes``;
 - for comparison, the bytes a plain FSDP2 + AdamW training step moves per
   rank (all-gather in forward, again in backward, reduce-scatter of the
   gradients; the AdamW step itself moves nothing) and what a naive
@@ -27,7 +24,7 @@ reference); the per-rank Newton–Schulz time (``ns_ms_per_rank``) shows the
 work split even where the cores run out.
 
     python -m benchmarks.dmuon_bench            # prints JSON
-    python -m benchmarks.dmuon_bench --sizes 64 128 256 512 --ranks 1 2 4 --team-sizes 512 1024
+    python -m benchmarks.dmuon_bench --sizes 64 128 256 512 --ranks 1 2 4
 """
 
 from __future__ import annotations
@@ -141,47 +138,6 @@ def _sharded_muon(mesh, rank: int, d: int, n_layers: int, names=tuple(MATRICES),
     return opt
 
 
-def _teams_on_ranks(rank: int, world_size: int, d: int, names, reps: int, steps: int) -> dict:
-    """Matrices that whole-matrix owners cannot spread over ``world_size``
-    ranks (``names`` of one layer): DMuon with whole-matrix owners
-    (``max_team_size=1``) against DMuon with teams (the default), alternated
-    with single-process ``torch.optim.Muon``; rank 0 returns the row."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    opts = {
-        "whole": _sharded_muon(mesh, rank, d, 1, names, max_team_size=1),
-        "teams": _sharded_muon(mesh, rank, d, 1, names),
-    }
-    reference = _torch_muon(d, 1, names)
-    for opt in (*opts.values(), reference):
-        opt.step()  # warm-up outside the timers
-    ns = {}
-    for name, opt in opts.items():
-        with _NSTimer() as timer:
-            for _ in range(reps):
-                opt.step()
-        ns[name] = timer.seconds / reps
-    steps_fns = {name: opt.step for name, opt in opts.items()}
-    times = _measure.alternate({**steps_fns, "torch_muon": reference.step},
-                               reps=reps, steps=steps, warmup=0)  # fmt: skip
-    mine = {name: (ns[name], opt.last_step_stats.bytes_sent) for name, opt in opts.items()}
-    per_rank = [None] * world_size
-    dist.all_gather_object(per_rank, mine)
-    row = {"d_model": d, "ranks": world_size, "matrices": list(names)}
-    for name, opt in opts.items():
-        row[name] = {
-            **_measure.compare(times[name], times["torch_muon"]),
-            "ns_ms_per_rank": [round(1e3 * r[name][0], 3) for r in per_rank],
-            "bytes_sent_per_rank": max(r[name][1] for r in per_rank),
-            "team_size": opt.plan.team_size,
-            "critical_path": opt.plan.critical_path / opt.plan.ideal,
-        }
-    row["teams_vs_whole"] = _measure.compare(times["teams"], times["whole"])
-    return row
-
-
 def _cpu_time_ratio(dmuon_step, torch_step, reps: int) -> float:
     """Median over ``reps`` alternating pairs of this process's CPU time in
     one DMuon step over that of one ``torch.optim.Muon`` step: unlike wall
@@ -200,10 +156,9 @@ def _cpu_time_ratio(dmuon_step, torch_step, reps: int) -> float:
 
 
 class _NSTimer:
-    """Seconds spent in DMuon's Newton–Schulz calls while active (a team's
-    include its Gram all-reduces and all-gathers)."""
+    """Seconds spent in DMuon's Newton–Schulz calls while active."""
 
-    NAMES = ("zeropower_via_newtonschulz", "zeropower_via_newtonschulz_split")
+    NAMES = ("zeropower_via_newtonschulz",)
 
     def __enter__(self):
         from ray_fsdp_backend.dmuon import newton_schulz
@@ -239,11 +194,6 @@ def _summarise_ranks(rows: list[dict]) -> dict:
     }
 
 
-TEAM_CASES = {2: ("up",), 4: ("up", "down")}
-"""Per rank count, a layer's matrices that leave ranks idle with whole-matrix
-owners (one matrix on 2 ranks, two on 4): the planner splits them."""
-
-
 def analytic_bytes(d: int, n_layers: int, world_size: int) -> dict:
     """Per-rank bytes of a plain FSDP2 + AdamW training step and of a naive
     replicated-NS Muon, for fp32 parameters (ring collectives: each rank
@@ -263,18 +213,11 @@ def run(
     n_layers: int = 4,
     reps: int = 5,
     steps: int = 2,
-    team_sizes: tuple[int, ...] = (512, 1024),
 ) -> dict:
     """Benchmark results as a JSON-ready dict (see the module docstring)."""
     from tests.dist.harness import run_ranks
 
     dmuon = {r: run_ranks(_dmuon_on_ranks, r, tuple(sizes), n_layers, reps, steps) for r in ranks}
-    teams = [
-        run_ranks(_teams_on_ranks, r, d, TEAM_CASES[r], reps, steps)
-        for r in ranks
-        if r in TEAM_CASES
-        for d in team_sizes
-    ]
     results = []
     for k, d in enumerate(sizes):
         row = {"d_model": d, "n_layers": n_layers, "num_matrices": 4 * n_layers}
@@ -287,7 +230,6 @@ def run(
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "results": results,
-        "teams": teams,
     }
 
 
@@ -298,10 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--team-sizes", type=int, nargs="+", default=[512, 1024])
     args = parser.parse_args(argv)
-    result = run(tuple(args.sizes), tuple(args.ranks), args.layers, args.reps, args.steps,
-                 tuple(args.team_sizes))  # fmt: skip
+    result = run(tuple(args.sizes), tuple(args.ranks), args.layers, args.reps, args.steps)
     print(json.dumps(result, indent=2))
 
 

@@ -150,34 +150,7 @@ def _dmuon(r: dict) -> list[str]:
         "#### 5. DMuon optimizer step vs single-process `torch.optim.Muon` (bf16 NS)",
         "",
         *_table(header, rows),
-        *_dmuon_teams(r.get("teams", [])),
     ]
-
-
-def _dmuon_teams(teams: list[dict]) -> list[str]:
-    rows = [
-        [
-            t["d_model"],
-            t["ranks"],
-            " + ".join(t["matrices"]),
-            *(f"{t[k]['a_ms']:.1f}" for k in ("whole", "teams")),
-            f"{t['whole']['b_ms']:.1f}",
-            _ratio(t["teams_vs_whole"]),
-            *("/".join(f"{ms:.1f}" for ms in t[k]["ns_ms_per_rank"]) for k in ("whole", "teams")),
-            *(f"{t[k]['critical_path']:.2f}" for k in ("whole", "teams")),
-            *(_mib(t[k]["bytes_sent_per_rank"]) for k in ("whole", "teams")),
-        ]
-        for t in teams
-    ]
-    header = ["d_model", "ranks", "matrices", "whole-matrix owners ms", "teams ms",
-              "torch Muon ms", "teams / whole", "NS ms per rank, whole",
-              "NS ms per rank, teams (with their collectives)", "planned critical path, whole",
-              "planned critical path, teams", "MiB sent/rank, whole",
-              "MiB sent/rank, teams"]  # fmt: skip
-    if not rows:
-        return []
-    return ["", "Teams: matrices that whole-matrix owners leave ranks idle on, split.", "",
-            *_table(header, rows)]  # fmt: skip
 
 
 def _scaling(r: dict) -> list[str]:

@@ -72,7 +72,7 @@ SETTINGS = {
         "step_time": dict(worlds=(2, 4), model=SMALL, batch=4, accum=2, reps=11, steps=3),
         "clipping": dict(worlds=(2, 4), counts=clipping.TENSOR_COUNTS, reps=7, steps=3),
         "startup": dict(model=SMALL, batch=4, workers=2, reps=4, warmup=True),
-        "dmuon": dict(sizes=(64, 128, 256, 512), ranks=(1, 2, 4), steps=3, team_sizes=(512, 1024)),
+        "dmuon": dict(sizes=(64, 128, 256, 512), ranks=(1, 2, 4), steps=3),
         "scaling": dict(world=2, base=SMALL, widths=(64, 128, 256), layers=(2, 4, 8), **ONE_STEP),
         "compile": dict(world=2, model=SMALL, batch=4, accum=1, reps=7, steps=3),
         "pretrained": dict(worlds=(1, 2, 4), dim=512, layers=8, vocab=32000, reps=2),
@@ -82,7 +82,7 @@ SETTINGS = {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
         "clipping": dict(worlds=(2,), counts=(10, 100), reps=2, steps=1),
         "startup": dict(model=TINY, batch=2, workers=2, reps=1, warmup=False),
-        "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2, team_sizes=(32,)),
+        "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
         "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
         "pretrained": dict(worlds=(1, 2), dim=64, layers=2, vocab=512, reps=1),
@@ -122,9 +122,8 @@ def run_startup(**kwargs) -> dict:
         ray.shutdown()
 
 
-def run_dmuon(sizes, ranks, steps, team_sizes) -> dict:
-    return dmuon_bench.run(sizes=tuple(sizes), ranks=tuple(ranks), steps=steps,
-                           team_sizes=tuple(team_sizes))  # fmt: skip
+def run_dmuon(sizes, ranks, steps) -> dict:
+    return dmuon_bench.run(sizes=tuple(sizes), ranks=tuple(ranks), steps=steps)
 
 
 def run_scaling(world, **kwargs) -> dict:

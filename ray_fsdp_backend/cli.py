@@ -197,13 +197,13 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
             lines += [f"  {format_ranks(g)}" for g in groups]
     lines += format_memory(spec, strategy, layout.axis_size(SHARD_AXIS))
     if cfg.use_dmuon:
-        lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS), topology.node_block_size)
+        lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS))
     return "\n".join(lines)
 
 
-def format_dmuon(spec: RunSpec, shard_size: int, max_team_size: int) -> list[str]:
-    """DMuon's Newton–Schulz schedule for the example model (built on meta),
-    with teams of at most ``max_team_size`` ranks, as the trainer builds it."""
+def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
+    """DMuon's owners and Newton–Schulz critical path for the trainer's model
+    (built on meta), as the trainer plans them."""
     import torch
 
     from ray_fsdp_backend.dmuon.plan import format_ns_schedule
@@ -212,7 +212,7 @@ def format_dmuon(spec: RunSpec, shard_size: int, max_team_size: int) -> list[str
 
     with torch.device("meta"):
         model = Transformer(spec.model)
-    return format_ns_schedule(dedicated_specs(model), shard_size, max_team_size=max_team_size)
+    return format_ns_schedule(dedicated_specs(model), shard_size)
 
 
 def _describe_nodes(node_counts: Sequence[int]) -> str:

@@ -57,13 +57,6 @@ class Topology:
         return len(set(self.workers_per_node)) <= 1
 
     @property
-    def node_block_size(self) -> int:
-        """The largest ``k`` for which every aligned block of ``k`` consecutive
-        node-major ranks lies within one node: the gcd of the workers per
-        node (the largest DMuon team that never crosses a node)."""
-        return math.gcd(*self.workers_per_node)
-
-    @property
     def ranks_node_major(self) -> tuple[int, ...]:
         """All ranks, node by node: the order in which mesh grids are filled."""
         return tuple(rank for ranks in self.nodes for rank in ranks)

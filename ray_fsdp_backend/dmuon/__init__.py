@@ -1,8 +1,7 @@
 """DMuon: distributed Muon with dedicated matrices, on FSDP2 / HSDP shards.
 
 ``Muon(model, lr=...)`` is the optimizer (Muon for the dedicated 2-D block
-matrices, each orthogonalised by one owner rank, or by a team of ranks where
-whole matrices would leave ranks idle; AdamW for the rest).
+matrices, each orthogonalised by one owner rank; AdamW for the rest).
 ``no_sync`` and clipping are the strategy's (``DMuonFSDPStrategy`` is an
 ``FSDPStrategy``): dedicated matrices are FSDP2 parameters, so FSDP's
 gradient-sync switch and the one global-norm clip cover them.

@@ -1,17 +1,12 @@
-"""The collectives of DMuon: row shards to owners and back, by all-to-all,
-and those of teams.
+"""The collectives of DMuon: row shards to owners and back, by all-to-all.
 
 Where a matrix's rows live and who owns it is decided by the pure
 :mod:`~ray_fsdp_backend.dmuon.plan`; this module only packs tensors in the
 plan's order and calls ``all_to_all_single`` on the shard group, one pair
 per bucket of matrices, asynchronously so that the next bucket travels while
-the owners orthogonalise this one. A matrix split over a team travels the
-same way, each member receiving only its slice (the layout's pieces); the
-team's members then all-reduce their partial Gram matrices and all-gather
-rows of the Newton–Schulz polynomial on a process group of their own
-(:class:`Team`, ``form_teams``). Each side packs and unpacks with one
-copy: the momentum update is copied into the send buffer, an owner copies
-each sender's block of a batch straight into the batch's stack (no copy at
+the owners orthogonalise this one. Each side packs and unpacks with one copy:
+the momentum update is written into the send buffer, an owner copies each
+sender's block of a shape batch straight into the batch's stack (no copy at
 all in a group of one), and results go back the same way. Uneven splits are fine for
 ``all_to_all_single`` on gloo and NCCL alike (unlike gloo's ``gather``), so
 nothing is padded, and a rank that holds no rows of a matrix (more ranks
@@ -21,7 +16,6 @@ gradients, so every rank issues the same collectives in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +24,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ray_fsdp_backend.dmuon.plan import OwnershipPlan, RankLayout, compute_rank_layout, row_range
+from ray_fsdp_backend.dmuon.plan import OwnershipPlan, RankLayout, compute_rank_layout
 
-Stacks = list[torch.Tensor]
-"""What a rank orthogonalises in one bucket: a ``(count, rows, cols)`` stack
-per entry of its layout's ``batches``."""
+Stacks = dict[tuple[int, int], torch.Tensor]
+"""Owned matrices of one bucket by shape: ``(count, rows, cols)`` each."""
 
 
 @dataclass(frozen=True)
@@ -96,35 +89,6 @@ def _shard_axis(name: str, p: DTensor, mesh: DeviceMesh) -> int:
 
 
 @dataclass
-class Team:
-    """The ranks that split matrices among themselves: member ``rank`` of
-    ``size`` on ``group`` (None: the default group). ``sent`` is called with
-    the bytes each collective sends from this rank, as a ring does."""
-
-    group: dist.ProcessGroup | None
-    rank: int
-    size: int
-    sent: Callable[[int], None] = lambda nbytes: None
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the team, in place."""
-        self.sent(2 * (self.size - 1) * tensor.numel() * tensor.element_size() // self.size)
-        dist.all_reduce(tensor, group=self.group)
-
-    def all_gather_rows(self, rows: torch.Tensor, total: int) -> torch.Tensor:
-        """Members' ``torch.chunk`` row blocks ``(batch, rows_j, cols)`` of a
-        ``(batch, total, cols)`` stack, gathered whole on every member (each
-        block padded to the largest, as ``all_gather`` needs equal sizes)."""
-        chunk = -(-total // self.size)
-        send = rows.new_zeros(rows.size(0), chunk, rows.size(2))
-        send[:, : rows.size(1)] = rows
-        blocks = [torch.empty_like(send) for _ in range(self.size)]
-        self.sent((self.size - 1) * send.numel() * send.element_size())
-        dist.all_gather(blocks, send, group=self.group)
-        return torch.cat(blocks, dim=1)[:, :total]
-
-
-@dataclass
 class PendingExchange:
     """An all-to-all in flight: wait on ``work``, then read ``out``."""
 
@@ -149,8 +113,6 @@ class ShardExchange:
         self.dtype = dtype
         self.device = device
         self.layouts = tuple(compute_rank_layout(plan, shard.rank, b) for b in plan.schedule)
-        self.team: Team | None = None
-        """This rank's team (``form_teams``); None: it is in none."""
         self.bytes_sent = 0
         """Bytes sent to other ranks since the last ``reset_counters``."""
         self.bytes_received = 0
@@ -190,65 +152,42 @@ class ShardExchange:
                 "names or shapes differ between ranks"
             )
 
-    def form_teams(self) -> None:
-        """Create this rank's :class:`Team` (``self.team``) when the plan
-        splits matrices over teams: aligned blocks of ``plan.team_size``
-        ranks of the shard group, each on a process group of its own (the
-        shard group's when one team spans it). Only each team's members take
-        part in creating it; call it on every rank after ``verify_consistent``."""
-        size, rank = self.plan.team_size, self.shard.rank
-        if size == 1 or rank >= self.shard.size // size * size:
-            return
-        group = self.shard.process_group
-        if size < self.shard.size:
-            ranks = dist.get_process_group_ranks(group)
-            first = rank - rank % size
-            group = dist.new_group(ranks[first : first + size], use_local_synchronization=True)
-        self.team = Team(group, rank % size, size, self._count_team_bytes)
-
-    def _count_team_bytes(self, nbytes: int) -> None:
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes
-
-    def start_to_owners(
-        self, bucket: int, updates: dict[int, torch.Tensor | None]
-    ) -> PendingExchange:
-        """Send this rank's rows of ``bucket``'s matrices (``updates``, by
-        plan index: the local ``(rows, cols)`` shard of each, or None for
-        zeros) to the ranks that orthogonalise them: one copy each into the
-        send buffer, cut by the layout's regions."""
+    def send_buffer(self, bucket: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """An empty buffer for this rank's rows of ``bucket``'s matrices and,
+        by plan index, the ``(rows, cols)`` view of it each matrix's rows go
+        in: fill the views, then ``start_to_owners(bucket, buffer)``."""
         lay = self.layouts[bucket]
         buf = torch.empty(sum(lay.send_splits), dtype=self.dtype, device=self.device)
-        regions = [region for regions in lay.send_regions for region in regions]
         sizes = [size for sizes in lay.send_sizes for size in sizes]
-        for i, (a, b, c, d), piece in zip(lay.send_order, regions, buf.split(sizes), strict=True):
-            piece = piece.view(b - a, d - c)
-            if updates[i] is None:
-                piece.zero_()
-            else:
-                piece.copy_(updates[i][a:b, c:d])
-        return self._start(buf, lay.recv_splits, lay.send_splits, lay)
+        views = {
+            i: piece.view(-1, self.plan.matrices[i].shape[1])
+            for i, piece in zip(lay.send_order, buf.split(sizes), strict=True)
+        }
+        return buf, views
+
+    def start_to_owners(self, bucket: int, buffer: torch.Tensor) -> PendingExchange:
+        """Send the filled ``send_buffer`` of ``bucket`` to the owners."""
+        lay = self.layouts[bucket]
+        return self._start(buffer, lay.recv_splits, lay.send_splits, lay)
 
     def finish_to_owners(self, pending: PendingExchange) -> Stacks:
-        """The pieces this rank orthogonalises in the bucket (whole matrices
-        or its slices of split ones), one ``(count, rows, cols)`` stack per
-        ``layout.batches`` entry; a sender's block that already is the whole
-        stack (a group of one) is used as it is."""
+        """The full matrices this rank owns in the bucket, stacked by shape
+        (``layout.ns_batches`` order); a sender's block that already is the
+        whole stack (a group of one) is used as it is."""
         lay = self._wait(pending)
-        stacks: Stacks = [None] * len(lay.batches)
+        stacks: Stacks = {}
         for src, chunk in enumerate(pending.out.split(lay.recv_splits)):
             sizes = self._batch_sizes(lay, src)
-            for b, (batch, (start, stop), block) in enumerate(
-                zip(lay.batches, lay.batch_rows[src], chunk.split(sizes), strict=True)
+            for (shape, ids), (start, stop), block in zip(
+                lay.ns_batches.items(), lay.batch_rows[src], chunk.split(sizes), strict=True
             ):
-                rows, cols = batch.piece
-                block = block.view(len(batch.ids), stop - start, cols)
-                if stop - start == rows:
-                    stacks[b] = block
+                block = block.view(len(ids), stop - start, shape[1])
+                if stop - start == shape[0]:
+                    stacks[shape] = block
                 elif stop > start:
-                    if stacks[b] is None:
-                        stacks[b] = block.new_empty(len(batch.ids), rows, cols)
-                    stacks[b][:, start:stop].copy_(block)
+                    if shape not in stacks:
+                        stacks[shape] = block.new_empty(len(ids), *shape)
+                    stacks[shape][:, start:stop].copy_(block)
         return stacks
 
     def start_to_shards(self, bucket: int, results: Stacks) -> PendingExchange:
@@ -260,9 +199,9 @@ class ShardExchange:
         sizes = [size for dst in range(self.shard.size) for size in self._batch_sizes(lay, dst)]
         blocks = iter(buf.split(sizes))
         for rows in lay.batch_rows:
-            for batch, result, (start, stop) in zip(lay.batches, results, rows, strict=True):
-                block = next(blocks).view(len(batch.ids), stop - start, batch.piece[1])
-                block.copy_(result[:, start:stop])
+            for (shape, ids), (start, stop) in zip(lay.ns_batches.items(), rows, strict=True):
+                block = next(blocks).view(len(ids), stop - start, shape[1])
+                block.copy_(results[shape][:, start:stop])
         return self._start(buf, lay.send_splits, lay.recv_splits, lay)
 
     def finish_to_shards(self, pending: PendingExchange) -> dict[int, torch.Tensor]:
@@ -272,30 +211,22 @@ class ShardExchange:
         if pending.out is None:  # a group of one: the results themselves
             return {
                 i: stack[k]
-                for batch, stack in zip(lay.batches, pending.send, strict=True)
-                for k, i in enumerate(batch.ids)
+                for shape, stack in pending.send.items()
+                for k, i in enumerate(lay.ns_batches[shape])
             }
         shards: dict[int, torch.Tensor] = {}
         for owner, chunk in enumerate(pending.out.split(lay.send_splits)):
-            ids, regions = lay.owners_of[owner], lay.send_regions[owner]
-            pieces = chunk.split(lay.send_sizes[owner])
-            for i, (a, b, c, d), piece in zip(ids, regions, pieces, strict=True):
-                rows, cols = self.plan.matrices[i].shape
-                if not self.plan.is_split(i):
-                    shards[i] = piece.view(-1, cols)
-                    continue
-                if i not in shards:  # the team's pieces cover the shard
-                    start, stop = row_range(rows, self.shard.size, self.shard.rank)
-                    shards[i] = piece.new_empty(stop - start, cols)
-                shards[i][a:b, c:d].copy_(piece.view(b - a, d - c))
+            ids = lay.owners_of[owner]
+            for i, piece in zip(ids, chunk.split(lay.send_sizes[owner]), strict=True):
+                shards[i] = piece.view(-1, self.plan.matrices[i].shape[1])
         return shards
 
     @staticmethod
     def _batch_sizes(lay: RankLayout, src: int) -> list[int]:
         rows = lay.batch_rows[src]
         return [
-            len(batch.ids) * (stop - start) * batch.piece[1]
-            for batch, (start, stop) in zip(lay.batches, rows, strict=True)
+            len(ids) * (stop - start) * shape[1]
+            for (shape, ids), (start, stop) in zip(lay.ns_batches.items(), rows, strict=True)
         ]
 
     def _start(

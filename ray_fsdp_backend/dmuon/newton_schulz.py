@@ -5,18 +5,13 @@ The iteration, its coefficients and its epsilon are those of
 the only differences are a leading batch dimension, so that one owner
 orthogonalises all its matrices of one shape in one call, and a ``dtype``
 argument: torch's function always works in bfloat16, fp32 gives an exact
-reference for tests. ``zeropower_via_newtonschulz_split`` runs the same
-iteration on a matrix split over a team of ranks (see its docstring).
+reference for tests.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
-
-from ray_fsdp_backend.dmuon.plan import row_range
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 NS_STEPS = DEFAULT_NS_STEPS
@@ -76,58 +71,3 @@ def _add_product(x: torch.Tensor, poly: torch.Tensor, a: float) -> torch.Tensor:
     for x_i, poly_i, out_i in zip(x, poly, out, strict=True):
         torch.addmm(x_i, poly_i, x_i, beta=a, out=out_i)
     return out
-
-
-def zeropower_via_newtonschulz_split(
-    pieces: torch.Tensor,
-    team: Team,
-    tall: bool,
-    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    steps: int = NS_STEPS,
-    eps: float = NS_EPS,
-    dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """``zeropower_via_newtonschulz`` of a stack of matrices split over a
-    team: each member passes its slices of their longer side (row slices of
-    ``tall`` matrices, column slices otherwise) and gets the same slices of
-    the result. Every member must call this with the same batch and steps.
-
-    With ``X`` the (transposed if tall) matrix and ``X_j`` a member's column
-    slice, the iteration ``X <- a X + (b A + c A^2) X`` splits by columns
-    except for ``A = X X^T = sum_j X_j X_j^T``: one all-reduce of the
-    ``m x m`` Gram matrix per step (and one of the squared norms first).
-    Each member then forms its ``torch.chunk`` rows of ``b A + c A^2``, the
-    team all-gathers them, and each updates its slice. The products and
-    their association are torch's, so bf16 rounds as the whole iteration
-    does; only the Gram matrix is a sum of bf16 partials. (Associating as
-    ``a X + b A X + c A (A X)`` avoids the all-gather but rounds ``A X``
-    once more: twice torch's bf16 error, measured on gloo ranks.)
-    """
-    a, b, c = coefficients
-    x = pieces.to(dtype)
-    squares = x.float().square().sum(dim=(-2, -1))
-    team.all_reduce(squares)
-    x = x / squares.sqrt().to(dtype).clamp(min=eps)[:, None, None]
-    if tall:
-        x = x.mT
-    m = x.size(-2)
-    start, stop = row_range(m, team.size, team.rank)
-    for _ in range(steps):
-        gram = torch.bmm(x, x.mT)
-        team.all_reduce(gram)
-        rows = gram[:, start:stop]
-        poly = team.all_gather_rows(torch.baddbmm(rows, rows, gram, beta=b, alpha=c), m)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    return x.mT if tall else x
-
-
-class Team(Protocol):
-    """The collectives of the ranks that share a split matrix (see
-    :class:`ray_fsdp_backend.dmuon.exchange.Team`)."""
-
-    rank: int
-    size: int
-
-    def all_reduce(self, tensor: torch.Tensor) -> None: ...
-
-    def all_gather_rows(self, rows: torch.Tensor, total: int) -> torch.Tensor: ...

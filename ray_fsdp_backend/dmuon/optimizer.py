@@ -12,10 +12,8 @@ One Muon step, per dedicated matrix, following ``torch.optim.Muon``:
 
 1. momentum (and Nesterov) on the rank's own row shard of the gradient;
 2. one all-to-all over the shard group sends every row shard to the matrix's
-   owner, which assembles the full matrix (only there), or, for a matrix
-   the plan splits over a team, to each member its slice;
-3. the owner runs Newton–Schulz, batched over its matrices of one shape (a
-   team, on its slices, sharing the Gram matrices);
+   owner, which assembles the full matrix (only there);
+3. the owner runs Newton–Schulz, batched over its matrices of one shape;
 4. a second all-to-all returns the orthogonalised rows to their shards;
 5. every rank applies decoupled weight decay and the (shape-adjusted)
    learning rate to its shard.
@@ -41,7 +39,6 @@ from ray_fsdp_backend.dmuon import newton_schulz
 from ray_fsdp_backend.dmuon.exchange import ShardExchange, ShardGroup, resolve_shard_group
 from ray_fsdp_backend.dmuon.plan import (
     DEFAULT_BUCKET_NUMEL,
-    DEFAULT_MAX_TEAM_SIZE,
     MatrixSpec,
     OwnershipPlan,
     compute_ownership_plan,
@@ -63,8 +60,7 @@ class DMuonStepStats:
     ns_calls: int
     """Batched Newton–Schulz calls (one per owned shape in each bucket)."""
     bytes_sent: int
-    """Bytes this rank sent to other ranks in the two exchanges and, in a
-    team, its collectives."""
+    """Bytes this rank sent to other ranks in the two exchanges."""
     bytes_received: int
 
 
@@ -96,12 +92,6 @@ class Muon(torch.optim.Optimizer):
             the shard-group size elements of matrices of similar cost; None:
             one bucket). Bounds the exchange buffers and lets the next bucket
             travel during Newton–Schulz.
-        max_team_size: teams of consecutive shard-group ranks the planner
-            may split a matrix over (sizes dividing it), where whole-matrix
-            owners leave the Newton–Schulz critical path above 1.3x the
-            ideal (see :mod:`~ray_fsdp_backend.dmuon.plan`); 1: never split.
-            The default, 8, keeps teams inside 8-GPU nodes: each split
-            matrix sends about ``15 m^2`` elements per step within its team.
 
     Raises:
         ValueError: a bad hyperparameter, a dedicated parameter that is not
@@ -128,7 +118,6 @@ class Muon(torch.optim.Optimizer):
         ns_eps: float = newton_schulz.NS_EPS,
         is_dedicated: Callable[[str, nn.Parameter], bool] | None = None,
         bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
-        max_team_size: int = DEFAULT_MAX_TEAM_SIZE,
     ):
         _check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype)
         dedicated, rest = select_parameters(model, is_dedicated)
@@ -137,14 +126,13 @@ class Muon(torch.optim.Optimizer):
         self.shard_group: ShardGroup = resolve_shard_group(dedicated)
         specs = [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated]
         self.plan: OwnershipPlan = compute_ownership_plan(
-            specs, self.shard_group.size, bucket_numel, max_team_size
+            specs, self.shard_group.size, bucket_numel
         )
         # Newton–Schulz and both exchanges run where compute runs (the GPU also
         # when CPU offload keeps the shards on the host).
         device = _ns_device(dedicated[0][1]) if dedicated else torch.device("cpu")
         self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
         self._exchange.verify_consistent(_shard_rows_error(dedicated, self.plan, self.shard_group))
-        self._exchange.form_teams()
         muon_hyper = dict(
             lr=lr,
             momentum=momentum,
@@ -217,47 +205,50 @@ class Muon(torch.optim.Optimizer):
             full = ex.finish_to_owners(incoming)
             if b + 1 < len(ex.layouts):
                 incoming = self._start_bucket(b + 1, params, group)
-            outgoing.append(ex.start_to_shards(b, self._orthogonalize(full, layout, group)))
+            outgoing.append(ex.start_to_shards(b, self._orthogonalize(full, group)))
             owned += layout.owned
-            ns_calls += len(layout.batches)
+            ns_calls += len(layout.ns_batches)
         updates: dict[int, torch.Tensor] = {}
         for pending in outgoing:
             updates.update(ex.finish_to_shards(pending))
         return updates, sorted(owned), ns_calls
 
     def _start_bucket(self, bucket: int, params: list[torch.Tensor], group: dict):
-        """Momentum-update this rank's rows of ``bucket``'s matrices and send
-        them to the ranks that orthogonalise them."""
-        ids = self._exchange.layouts[bucket].send_order
-        updates = {i: self._momentum_update(params[i], group) for i in dict.fromkeys(ids)}
-        return self._exchange.start_to_owners(bucket, updates)
+        """Momentum-update this rank's rows of ``bucket``'s matrices straight
+        into the exchange buffer and send it to the owners."""
+        buffer, views = self._exchange.send_buffer(bucket)
+        for i, view in views.items():
+            self._momentum_update(params[i], group, view)
+        return self._exchange.start_to_owners(bucket, buffer)
 
-    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor | None:
-        """This rank's rows of the Nesterov (or plain) momentum update; None
-        for a parameter without gradient (the exchange sends zeros, so that
-        it has the same layout on every rank). Like ``torch.optim.Muon``,
-        Nesterov leaves the update in the gradient: no temporary per matrix."""
+    def _momentum_update(self, p: torch.Tensor, group: dict, out: torch.Tensor) -> None:
+        """Write this rank's rows of the Nesterov (or plain) momentum update,
+        cast to ``ns_dtype``, into ``out``; zeros for a parameter without
+        gradient, so that the exchanges have the same layout on every rank.
+        Like ``torch.optim.Muon``, Nesterov leaves the update in the gradient."""
         if p.grad is None:
-            return None
+            out.zero_()
+            return
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         grad, buf = _local(p.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
-        return grad.lerp_(buf, group["momentum"]) if group["nesterov"] else buf
+        # In place, as torch.optim.Muon does: no fp32 temporary per matrix.
+        out.copy_(grad.lerp_(buf, group["momentum"]) if group["nesterov"] else buf)
 
-    def _orthogonalize(self, stacks: list, layout, group: dict) -> list:
-        """Newton–Schulz on this rank's batches: one call per whole-matrix
-        shape, one team call (with its Gram all-reduces) per split shape."""
-        args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-        return [
-            newton_schulz.zeropower_via_newtonschulz_split(
-                stack, self._exchange.team, batch.shape[0] > batch.shape[1], *args
+    def _orthogonalize(self, stacks: dict, group: dict) -> dict:
+        """Newton–Schulz on owned matrices, one batched call per shape."""
+        return {
+            shape: newton_schulz.zeropower_via_newtonschulz(
+                stack,
+                group["ns_coefficients"],
+                group["ns_steps"],
+                group["eps"],
+                self.ns_dtype,
             )
-            if batch.split
-            else newton_schulz.zeropower_via_newtonschulz(stack, *args)
-            for batch, stack in zip(layout.batches, stacks, strict=True)
-        ]
+            for shape, stack in stacks.items()
+        }
 
     def _init_state(self) -> None:
         """Create every parameter's state now rather than at its first

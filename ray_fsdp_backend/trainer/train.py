@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.dmuon.plan import DEFAULT_MAX_TEAM_SIZE
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, show_ray_report_lines
@@ -61,8 +60,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
         with torch.device("meta"):
             model = Transformer(spec.model)
         model = ctx.wrap(model)  # shards, materialises and calls init_weights()
-    # DMuon teams stay inside a node (node_block_size ranks of the node-major mesh).
-    optimizer = build_optimizer(model, spec, max_team_size=ctx.topology.node_block_size)
+    optimizer = build_optimizer(model, spec)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
     batches = build_batches(spec, ctx.dp_rank, ctx.dp_size)
     checkpoints = CheckpointHooks(
@@ -162,11 +160,9 @@ def train_step(
     return total, grad_norm
 
 
-def build_optimizer(
-    model: nn.Module, spec: RunSpec, max_team_size: int = DEFAULT_MAX_TEAM_SIZE
-) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
     """AdamW (decay on 2-D weights only), or distributed Muon for the blocks'
-    matrices with AdamW for the rest (``max_team_size``: Muon's)."""
+    matrices with AdamW for the rest."""
     opts = spec.train
     if opts.optimizer == "muon":
         from ray_fsdp_backend.dmuon.optimizer import Muon
@@ -177,7 +173,6 @@ def build_optimizer(
             weight_decay=opts.weight_decay,
             adamw_lr=opts.adamw_lr,
             adamw_weight_decay=0.0,
-            max_team_size=max_team_size,
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]

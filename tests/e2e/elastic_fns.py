@@ -78,9 +78,9 @@ def train_recording(loop_config: dict) -> dict:
         mesh = list(ctx.mesh.shape)
         return RecordingBatches(inner, record, ctx.world_size, ctx.world_rank, mesh)
 
-    def keeping_optimizer(model, spec, **kwargs):
+    def keeping_optimizer(model, spec):
         kept["model"] = model
-        return build_optimizer(model, spec, **kwargs)
+        return build_optimizer(model, spec)
 
     example_train.build_batches = recording_batches
     example_train.build_optimizer = keeping_optimizer

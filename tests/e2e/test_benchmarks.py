@@ -67,11 +67,6 @@ def test_startup_and_dmuon_and_scaling_measured(results):
             assert sum(row["ns_matrices_per_rank"]) == size["num_matrices"]
             total = size["momentum_bytes_single_process"]
             assert max(row["momentum_bytes_per_rank"]) <= total / int(ranks) * 1.5
-    (teams,) = data["dmuon"]["teams"]  # 2 ranks: one matrix, whole or split in two
-    assert teams["whole"]["team_size"] == 1 and teams["whole"]["critical_path"] == 2.0
-    assert teams["teams"]["team_size"] == 2 and teams["teams"]["critical_path"] < 1.1
-    assert all(ms > 0 for ms in teams["teams"]["ns_ms_per_rank"])
-    assert teams["whole"]["ns_ms_per_rank"][1] == 0  # rank 1 owned nothing
     for series in data["scaling"]["series"].values():
         for row in series:
             assert row["memory_ratio"] == pytest.approx(row["params_ratio"], rel=0.05)

@@ -18,4 +18,4 @@ def test_the_test_command_collects_the_multi_process_tests():
     ).stdout  # fmt: skip
     for layer in ("unit", "dist", "e2e"):
         assert f"tests/{layer}/" in out, layer
-    assert "tests/dist/test_dmuon_teams.py::" in out
+    assert "tests/dist/test_dmuon.py::" in out

@@ -10,14 +10,12 @@ import torch
 
 from ray_fsdp_backend.dmuon.plan import (
     DEFAULT_BUCKET_NUMEL,
-    DEFAULT_MAX_TEAM_SIZE,
     MatrixSpec,
     chunk_rows,
     compute_buckets,
     compute_ownership_plan,
     compute_rank_layout,
     ns_cost,
-    team_ns_cost,
 )
 
 SPECS = [
@@ -269,93 +267,21 @@ def test_plan_command_prints_the_critical_path_for_dmuon_configs():
     assert "DMuon" not in cli.format_plan(cli.load("examples/ddp.yaml", []), 1, 2)
 
 
-# ------------------------------------------------------------------- teams
+@pytest.mark.parametrize("n, largest", [(64, 2), (256, 1)])
+def test_at_scale_the_critical_path_is_the_largest_matrices_a_rank_must_hold(n, largest):
+    """1B: 66 MLP matrices of 5504 x 2048 (the costliest) over 64 ranks put two
+    on one rank; at 256 ranks, fewer matrices than ranks, one. No plan of
+    whole matrices does better (docs/dmuon.md)."""
+    plan = compute_ownership_plan(PRESETS["1b"], n, DEFAULT_BUCKET_NUMEL)
+    assert plan.critical_path == largest * ns_cost((5504, 2048)) == plan.whole_matrix_bound
 
 
-def test_a_team_of_one_costs_the_whole_matrix_and_teams_split_it():
-    for shape in [(45, 16), (16, 43), (24, 24), (3, 8)]:
-        assert team_ns_cost(shape, 1) == ns_cost(shape)
-        for k in (2, 4, 8):
-            # Each member: 1/k of the work, plus what ceil() rounds up.
-            assert ns_cost(shape) / k <= team_ns_cost(shape, k) < ns_cost(shape) / k * 1.6
-
-
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-@pytest.mark.parametrize("n", [8, 64, 256])
-def test_teams_bring_the_critical_path_within_1_3x_of_the_ideal(preset, n):
-    specs = PRESETS[preset]
-    plan = compute_ownership_plan(specs, n, DEFAULT_BUCKET_NUMEL, DEFAULT_MAX_TEAM_SIZE)
-    assert plan.critical_path <= 1.3 * plan.ideal
-    whole = compute_ownership_plan(specs, n, DEFAULT_BUCKET_NUMEL)
-    if whole.critical_path <= 1.3 * whole.ideal:
-        assert plan == whole  # no team where whole matrices reach the target
-    else:
-        assert plan.team_size > 1 and any(plan.split)
-        assert DEFAULT_MAX_TEAM_SIZE % plan.team_size == 0  # no team crosses a node
-    for i in range(len(specs)):
-        team = plan.team(i)
-        assert team.start % len(team) == 0 and team.stop <= n
-        assert team.start // 8 == (team.stop - 1) // 8
-    assert sorted(i for b in plan.schedule for i in b) == list(range(len(specs)))
-
-
-def test_where_whole_matrices_cannot_reach_the_target_1b_at_256_splits():
-    plan = compute_ownership_plan(PRESETS["1b"], 256, DEFAULT_BUCKET_NUMEL, 8)
-    whole = compute_ownership_plan(PRESETS["1b"], 256, DEFAULT_BUCKET_NUMEL)
-    assert whole.critical_path > 2.5 * whole.ideal  # fewer matrices than ranks
-    assert plan.team_size == 8 and plan.critical_path < 1.2 * plan.ideal
-    # The largest (MLP, then attention q/o) are split; k/v stay whole.
-    split = {spec.shape for i, spec in enumerate(PRESETS["1b"]) if plan.is_split(i)}
-    assert split == {(5504, 2048), (2048, 5504), (2048, 2048)}
-
-
-def test_max_team_size_one_never_splits_and_must_be_positive():
-    plan = compute_ownership_plan(PRESETS["1b"], 256, None, 1)
-    assert plan.team_size == 1 and not plan.split
-    with pytest.raises(ValueError, match="max_team_size=0"):
-        compute_ownership_plan(SPECS, 2, None, 0)
-
-
-TEAM_SPECS = [MatrixSpec("tall", (45, 16)), MatrixSpec("wide", (16, 43)),
-              MatrixSpec("square", (24, 24)), MatrixSpec("tiny", (2, 50))]  # fmt: skip
-
-
-@pytest.mark.parametrize("n, cap", [(4, None), (8, None), (8, 200), (12, 100)])
-def test_team_layouts_tile_every_matrix_and_agree_between_ranks(n, cap):
-    plan = compute_ownership_plan(TEAM_SPECS, n, cap, 4)
-    assert plan.team_size > 1 and any(plan.split)
-    for i, spec in enumerate(TEAM_SPECS):
-        cover = torch.zeros(spec.shape, dtype=torch.int64)
-        for rank in plan.team(i):
-            r0, r1, c0, c1 = plan.piece(i, rank)
-            cover[r0:r1, c0:c1] += 1
-        assert bool((cover == 1).all()), spec.name  # the pieces tile the matrix
-    for bucket in plan.schedule:
-        layouts = [compute_rank_layout(plan, r, bucket) for r in range(n)]
-        for dst, lay in enumerate(layouts):
-            assert tuple(layouts[src].send_splits[dst] for src in range(n)) == lay.recv_splits
-            assert lay.recv_sizes == tuple(layouts[src].send_sizes[dst] for src in range(n))
-            pieces = sum((r1 - r0) * (c1 - c0) for i in lay.owned
-                         for r0, r1, c0, c1 in [plan.piece(i, dst)])  # fmt: skip
-            assert sum(lay.recv_splits) == pieces
-            assert [b.split for b in lay.batches] == sorted(b.split for b in lay.batches)[::-1]
-        # All members of a team run its split matrices in this bucket.
-        for i in bucket:
-            assert all(i in layouts[r].owned for r in plan.team(i))
-        for src, lay in enumerate(layouts):
-            held = sum(plan.local_numel(i, src) for i in bucket)
-            assert sum(lay.send_splits) == held
-
-
-def test_plan_command_prints_teams_and_their_traffic():
+def test_plan_command_prints_owners_and_the_floor_at_256_ranks():
     from ray_fsdp_backend import cli
 
     spec = cli.load("examples/dmuon.yaml", ["model.preset=1b"])
     text = cli.format_plan(spec, 32, 8)
-    plan = compute_ownership_plan(PRESETS["1b"], 256, DEFAULT_BUCKET_NUMEL, 8)
-    assert f"critical path  {plan.critical_path / plan.ideal:.2f}x the ideal" in text
-    assert "whole-matrix owners 2.81x" in text
-    assert "110 matrices split over teams of 8 ranks" in text
-    assert "teams" not in cli.format_plan(spec, 1, 8)
-    # Teams never cross a node: with 4 GPUs per node, at most 4 ranks.
-    assert "110 matrices split over teams of 4 ranks" in cli.format_plan(spec, 32, 4)
+    assert "owners among the 256 rank(s) of a shard group" in text
+    assert "per rank       0-1 matrices" in text  # fewer matrices than ranks
+    assert "critical path  2.81x the ideal" in text
+    assert "one largest matrix (5504x2048) is 2.81x the ideal; the critical path is 1.00" in text

@@ -13,7 +13,6 @@ from ray_fsdp_backend.topology import (
     compute_mesh_layout,
     compute_topology,
     compute_topology_from_env,
-    topology_from_node_counts,
 )
 
 HSDP = ShardingStrategy.HYBRID_SHARD
@@ -139,15 +138,3 @@ def test_explicit_replicate_size_may_not_split_a_shard_group_across_nodes():
     )
     assert resolve_layout(cfg, topo).shape == (3, 4)
     assert compute_mesh_layout(HSDP, topo, replicate_size=4).groups("dp_shard")[0] == (0, 1, 2)
-
-
-@pytest.mark.parametrize(
-    "counts, block", [((8, 8, 8), 8), ((4, 4), 4), ((8, 4), 4), ((6, 4), 2), ((3, 2), 1), ((5,), 5)]
-)
-def test_node_block_size_tiles_every_node(counts, block):
-    topology = topology_from_node_counts(counts)
-    assert topology.node_block_size == block
-    # Every aligned block of that many node-major ranks lies in one node.
-    order = topology.ranks_node_major
-    for start in range(0, len(order), block):
-        assert len({topology.node_rank(r) for r in order[start : start + block]}) == 1
