@@ -24,7 +24,13 @@ from collections.abc import Sequence
 from ray_fsdp_backend.elastic import describe_split, elastic_world_sizes, worker_range
 from ray_fsdp_backend.memory import ModelSize, estimate_memory, format_bytes
 from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS, topology_from_node_counts
+from ray_fsdp_backend.topology import (
+    CP_AXIS,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    TP_AXIS,
+    topology_from_node_counts,
+)
 from ray_fsdp_backend.trainer.spec import (
     RunSpec,
     apply_overrides,
@@ -185,6 +191,8 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
             f"batch:    {describe_split(train.global_batch_size, world, train.micro_batch_size)}"
         )
     for axis, what in (
+        (TP_AXIS, "each layer's matrices split among these ranks; same batch"),
+        (CP_AXIS, "each sequence split among these ranks; same batch"),
         (SHARD_AXIS, "parameters split among these ranks: all-gather, reduce-scatter"),
         (REPLICATE_AXIS, "same parameters on each rank: gradients all-reduced"),
     ):

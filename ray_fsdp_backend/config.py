@@ -147,6 +147,19 @@ class FSDPSettings:
     bucket_cap_mb: float = 25
     """DDP only: gradient all-reduce bucket size in MiB."""
 
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer's matrices (tensor parallelism, the
+    innermost mesh axis ``tp``: neighbouring ranks of one node). The model is
+    split by its TP plan first, then FSDP2 shards over the remaining
+    data-parallel ranks, mesh ``(dp_shard, tp)`` or, with a hybrid strategy,
+    ``(dp_replicate, dp_shard, tp)``. Must divide every node's worker count;
+    needs ``use_fsdp``; not with ``use_dmuon``."""
+
+    sequence_parallel: bool | None = None
+    """Under tensor parallelism, also split norms and dropout along the
+    sequence (activations between blocks divided by tp). None: on when
+    ``tensor_parallel_size > 1``."""
+
     use_dmuon: bool = False
     """Train with the distributed Muon runtime (:mod:`ray_fsdp_backend.dmuon`).
     Needs ``use_fsdp``."""
@@ -185,6 +198,13 @@ class FSDPSettings:
     def sharding_strategy(self) -> ShardingStrategy:
         """``fsdp_sharding_strategy`` as an enum."""
         return ShardingStrategy(self.fsdp_sharding_strategy)
+
+    @property
+    def sequence_parallel_enabled(self) -> bool:
+        """``sequence_parallel`` resolved: its default follows tensor parallelism."""
+        if self.sequence_parallel is None:
+            return self.tensor_parallel_size > 1
+        return self.sequence_parallel
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FSDPSettings:
@@ -236,6 +256,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "find_unused_parameters": (bool,),
     "broadcast_buffers": (bool,),
     "bucket_cap_mb": (int, float),
+    "tensor_parallel_size": (int,),
+    "sequence_parallel": (bool, type(None)),
     "use_dmuon": (bool,),
     "fsdp_block_classes": (tuple,),
     "compile": (bool,),
@@ -319,11 +341,37 @@ def _check_values(cfg: FSDPSettings) -> None:
         raise ValueError("fsdp_cpu_offload=True needs use_fsdp=true: DDP does not offload")
     if cfg.use_dmuon and not cfg.use_fsdp:
         raise ValueError("use_dmuon=True needs use_fsdp=true: DMuon runs on FSDP2 shards")
+    _check_tensor_parallel(cfg)
     for key, value in cfg.nccl_env.items():
         if not (isinstance(key, str) and key.startswith(("NCCL_", "TORCH_NCCL_"))):
             raise ValueError(f"nccl_env key {key!r} must start with NCCL_ or TORCH_NCCL_")
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise ValueError(f"nccl_env[{key!r}]={value!r} must be a string or int")
+
+
+def _check_tensor_parallel(cfg: FSDPSettings) -> None:
+    tp = cfg.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r} must be a positive int")
+    if cfg.sequence_parallel and tp == 1:
+        raise ValueError(
+            "sequence_parallel=True needs tensor_parallel_size > 1 (it splits activations "
+            "over the tp group)"
+        )
+    if tp == 1:
+        return
+    if not cfg.use_fsdp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs use_fsdp=true: tensor parallelism composes with "
+            "FSDP2 on the data-parallel sub-mesh, not with DDP"
+        )
+    if cfg.use_dmuon:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with use_dmuon=true is not supported: DMuon's owners "
+            "run Newton-Schulz on whole matrices gathered over dp_shard, and a TP-split matrix "
+            "would also have to be gathered over tp every step. Use AdamW/Muon without DMuon, "
+            "or tensor_parallel_size=1"
+        )
 
 
 def _unknown_key_message(key: str, known: list[str]) -> str:

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.strategies.base import DistributionStrategy
-from ray_fsdp_backend.topology import MeshLayout, Topology
+from ray_fsdp_backend.topology import TP_AXIS, MeshLayout, Topology
 
 _CONTEXT: TrainContext | None = None
 
@@ -43,14 +43,25 @@ class TrainContext:
 
     @property
     def dp_size(self) -> int:
-        """Number of data-parallel ranks: every rank reads different data under
-        FSDP, HSDP and DDP alike."""
-        return self.world_size
+        """Number of data-parallel ranks (``dp_replicate`` x ``dp_shard``): the
+        world size divided by the model-parallel (tp) degree."""
+        return self.layout.data_parallel_coordinates(self.world_rank)[1]
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data shard index: its flat position in the mesh."""
-        return int((self.mesh.mesh.flatten() == self.world_rank).nonzero()[0])
+        """This rank's data shard index; the ranks of one tp group share it and
+        must read the same batch."""
+        return self.layout.data_parallel_coordinates(self.world_rank)[0]
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks in this rank's tensor-parallel group (1 without TP)."""
+        return self.layout.axis_size(TP_AXIS)
+
+    @property
+    def tp_rank(self) -> int:
+        """Position in the tensor-parallel group (0 without TP)."""
+        return self.layout.coordinates(self.world_rank).get(TP_AXIS, 0)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Shard (FSDP2/HSDP) or replicate (DDP) ``model`` as configured."""

@@ -1,9 +1,17 @@
-"""Build the ``DeviceMesh`` a ``MeshLayout`` describes (creates process groups)."""
+"""Build the ``DeviceMesh`` a ``MeshLayout`` describes (creates process
+groups), and name its sub-meshes: the data-parallel mesh FSDP shards over
+(``dp_replicate``, ``dp_shard``, with ``cp`` folded into the shard axis when
+present) and the model-parallel ones (``tp``, ``cp``).
+
+Sub-meshes are slices of the one root mesh, so DTensors on them share its
+process groups (torch caches a slice's groups on the root).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -11,11 +19,21 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.topology import (
+    CP_AXIS,
+    DATA_PARALLEL_AXES,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    TP_AXIS,
     MeshLayout,
     Topology,
     compute_mesh_layout,
     compute_topology_from_env,
 )
+
+SHARD_CP_AXIS = f"{SHARD_AXIS}_{CP_AXIS}"
+"""The flattened ``dp_shard`` x ``cp`` axis FSDP shards over when cp > 1
+(ranks of one cp group hold different sequence parts, so their gradients are
+reduced like those of different data shards)."""
 
 _logger = logging.getLogger(__name__)
 
@@ -41,6 +59,7 @@ def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
         config.fsdp_hsdp_replicate_size,
         config.hsdp_uneven_nodes,
         shard_across_nodes=config.fsdp_hsdp_shard_across_nodes,
+        inner_axes=model_parallel_axes(config),
     )
     uneven = strategy is not None and strategy.is_hybrid and not topology.is_uniform
     if uneven and config.fsdp_hsdp_replicate_size is None:
@@ -52,6 +71,68 @@ def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
             layout.shape,
         )
     return layout
+
+
+def model_parallel_axes(config: FSDPSettings) -> list[tuple[str, int]]:
+    """The axes inside the data-parallel ones, outermost first, with their
+    configured sizes (size-one axes are dropped by the layout)."""
+    return [(TP_AXIS, config.tensor_parallel_size)]
+
+
+def _dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ())
+
+
+def submesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    """The slice of ``mesh`` over those of ``axes`` it has (mesh order); the
+    mesh itself when that is all of it, so a 1-D or HSDP mesh without
+    model-parallel axes is used as before.
+
+    Raises:
+        ValueError: ``mesh`` has none of ``axes``.
+    """
+    present = tuple(a for a in _dims(mesh) if a in axes)
+    if not present:
+        raise ValueError(f"mesh with axes {_dims(mesh)} has none of {axes}")
+    return mesh if present == _dims(mesh) else mesh[present]
+
+
+def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The mesh FSDP2 shards and replicates over: ``dp_replicate`` and
+    ``dp_shard`` of ``mesh``, with ``cp`` flattened into the shard axis
+    (``dp_shard_cp``) when the mesh has one. 1-D: FSDP, 2-D: HSDP. A mesh
+    without model-parallel axes (or None: FSDP2's default) is returned as is."""
+    if mesh is None or not set(_dims(mesh)) & {CP_AXIS, TP_AXIS}:
+        return mesh
+    if CP_AXIS not in _dims(mesh):
+        return submesh(mesh, DATA_PARALLEL_AXES)
+    sharded = tuple(a for a in (SHARD_AXIS, CP_AXIS) if a in _dims(mesh))
+    flat = flatten_axes(mesh, sharded)
+    if REPLICATE_AXIS not in _dims(mesh):
+        return flat
+    # torch 2.13 warns that slicing a flattened axis from the root "will be
+    # deprecated"; it is the documented way to get (dp_replicate, dp_shard_cp).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[(REPLICATE_AXIS, "_".join(sharded))]
+
+
+def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    """``axes`` of ``mesh`` as one 1-D mesh named ``"_".join(axes)``
+    (``dp_shard_cp``), reachable afterwards as ``mesh[name]``. Collective
+    the first time (creates its process group).
+
+    ``DeviceMesh._flatten`` is private in torch 2.13; it is what torchtitan
+    uses for the same purpose, and this is its only call site.
+    """
+    if len(axes) == 1:
+        return mesh[axes[0]]
+    return mesh[axes]._flatten("_".join(axes))
+
+
+def tensor_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """``mesh["tp"]``, or None when the mesh has no tp axis."""
+    return mesh[TP_AXIS] if mesh is not None and TP_AXIS in _dims(mesh) else None
 
 
 def topology_from_environment() -> Topology:

@@ -5,10 +5,14 @@ function maps worker metadata and config to plain ints and tuples, so it is
 tested in milliseconds and gives the driver, the workers and the ``plan``
 command the same answer.
 
-Mesh axes have fixed names: ``dp_replicate`` (ranks holding the same shard,
-whose gradients are all-reduced) and ``dp_shard`` (ranks that split the
-parameters among themselves). FSDP uses ``(dp_shard,)``, HSDP
-``(dp_replicate, dp_shard)`` and DDP ``(dp_replicate,)``.
+Mesh axes have fixed names and a fixed order (``AXIS_ORDER``):
+``dp_replicate`` (ranks holding the same shard, whose gradients are
+all-reduced), ``dp_shard`` (ranks that split the parameters among
+themselves), ``cp`` (context parallel: ranks that split a sequence) and
+``tp`` (tensor parallel: ranks that split each layer's matrices), innermost so
+that a tp group is neighbouring ranks of one node. FSDP uses ``(dp_shard,)``,
+HSDP ``(dp_replicate, dp_shard)`` and DDP ``(dp_replicate,)``; model-parallel
+axes of size above one follow, e.g. ``(dp_replicate, dp_shard, tp)``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ from ray_fsdp_backend.config import UNEVEN_NODE_POLICIES, ShardingStrategy
 
 REPLICATE_AXIS = "dp_replicate"
 SHARD_AXIS = "dp_shard"
+CP_AXIS = "cp"
+TP_AXIS = "tp"
+AXIS_ORDER = (REPLICATE_AXIS, SHARD_AXIS, CP_AXIS, TP_AXIS)
+"""Every mesh axis, outermost first: tp innermost so a tp group is one
+node's neighbouring ranks; cp just inside dp_shard."""
+DATA_PARALLEL_AXES = (REPLICATE_AXIS, SHARD_AXIS)
+"""The axes whose ranks read different data."""
+AXIS_CONFIG_KEYS = {CP_AXIS: "context_parallel_size", TP_AXIS: "tensor_parallel_size"}
+"""The config key that sizes each model-parallel axis."""
 
 
 @dataclass(frozen=True)
@@ -70,35 +83,86 @@ class Topology:
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """A device-mesh layout: axis names and the rank at every mesh coordinate.
+    """A device-mesh layout: named axes, their sizes, and the rank at every
+    mesh coordinate.
 
-    ``grid`` is nested like the mesh: a tuple of ranks for a 1-D mesh, a tuple
-    of rows (one per ``dp_replicate`` index) for a 2-D mesh.
+    ``ranks`` lists the ranks in row-major order of ``shape`` (the last axis
+    varies fastest), so the innermost axis (``tp``) groups consecutive
+    node-major ranks and stays inside a node. Axes of size one are left out,
+    except a lone data-parallel axis.
     """
 
     axis_names: tuple[str, ...]
-    grid: tuple
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.axis_names) != len(self.shape) or math.prod(self.shape) != len(self.ranks):
+            raise ValueError(
+                f"mesh axes {self.axis_names} {self.shape} hold {len(self.ranks)} ranks"
+            )
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        if len(self.axis_names) == 1:
-            return (len(self.grid),)
-        return (len(self.grid), len(self.grid[0]))
-
-    def _rows(self) -> tuple[tuple[int, ...], ...]:
-        return self.grid if len(self.axis_names) == 2 else (self.grid,)
-
-    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
-        """The rank groups that communicate along ``axis``."""
-        if axis not in self.axis_names:
-            raise KeyError(f"mesh has axes {self.axis_names}, not {axis!r}")
-        rows = self._rows()
-        if axis == self.axis_names[-1]:
-            return rows
-        return tuple(zip(*rows, strict=True))
+    def grid(self) -> tuple:
+        """The ranks nested like the mesh (what ``DeviceMesh`` takes)."""
+        grid: tuple = self.ranks
+        for size in reversed(self.shape[1:]):
+            grid = tuple(grid[i : i + size] for i in range(0, len(grid), size))
+        return grid
 
     def axis_size(self, axis: str) -> int:
+        """Size of ``axis``; 1 for an axis the mesh does not have."""
         return self.shape[self.axis_names.index(axis)] if axis in self.axis_names else 1
+
+    def size(self, axes: Sequence[str]) -> int:
+        """Product of the sizes of ``axes`` (absent axes count 1)."""
+        return math.prod(self.axis_size(a) for a in axes)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``rank``'s index along every axis of the mesh."""
+        return dict(zip(self.axis_names, self._unravel(self.ranks.index(rank)), strict=True))
+
+    def flat_coordinate(self, rank: int, axes: Sequence[str]) -> tuple[int, int]:
+        """``rank``'s (index, size) in the row-major flattening of ``axes``
+        (in mesh order; absent axes have size 1)."""
+        coords = self.coordinates(rank)
+        index = 0
+        for axis in self._present(axes):
+            index = index * self.axis_size(axis) + coords[axis]
+        return index, self.size(axes)
+
+    def data_parallel_coordinates(self, rank: int) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``: which data shard ``rank`` reads. Ranks of one
+        ``tp`` (or ``cp``) group share them: they read the same batch."""
+        return self.flat_coordinate(rank, DATA_PARALLEL_AXES)
+
+    def groups(self, axes: str | Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """The rank groups that communicate along ``axes`` (one axis name, or
+        several flattened in mesh order), each in row-major order.
+
+        Raises:
+            KeyError: an axis the mesh does not have.
+        """
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        for axis in axes:
+            if axis not in self.axis_names:
+                raise KeyError(f"mesh has axes {self.axis_names}, not {axis!r}")
+        keep = [i for i, a in enumerate(self.axis_names) if a not in axes]
+        by_rest: dict[tuple, list[int]] = {}
+        for flat, rank in enumerate(self.ranks):
+            coords = self._unravel(flat)
+            by_rest.setdefault(tuple(coords[i] for i in keep), []).append(rank)
+        return tuple(tuple(g) for g in by_rest.values())
+
+    def _unravel(self, flat: int) -> tuple[int, ...]:
+        coords = []
+        for size in reversed(self.shape):
+            flat, c = divmod(flat, size)
+            coords.append(c)
+        return tuple(reversed(coords))
+
+    def _present(self, axes: Sequence[str]) -> list[str]:
+        return [a for a in self.axis_names if a in axes]
 
 
 def compute_topology(workers: Sequence[WorkerInfo]) -> Topology:
@@ -146,8 +210,17 @@ def compute_mesh_layout(
     uneven_nodes: str = "error",
     *,
     shard_across_nodes: bool = False,
+    inner_axes: Sequence[tuple[str, int]] = (),
 ) -> MeshLayout:
     """The mesh for a strategy on a cluster; ``strategy=None`` means DDP.
+
+    ``inner_axes`` are the model-parallel axes inside the data-parallel ones,
+    outermost first, as ``(name, size)`` (``(("cp", 2), ("tp", 2))``); axes of
+    size one are left out. Consecutive node-major ranks form one inner block
+    (a tp group is ``tp`` neighbouring ranks of one node), so every node's
+    worker count must be a multiple of the block. The data-parallel axes are
+    then laid out over the blocks exactly as over single ranks without inner
+    axes.
 
     Ranks fill the grid node by node, so with the HSDP default (one replica
     per node) every ``dp_shard`` group is one node and every ``dp_replicate``
@@ -161,28 +234,59 @@ def compute_mesh_layout(
     is refused unless ``shard_across_nodes``.
 
     Raises:
-        ValueError: HSDP on unequal nodes under ``uneven_nodes="error"``, a
-            ``replicate_size`` that does not divide the world size, or shard
-            groups that leave a node without ``shard_across_nodes``.
+        ValueError: inner axes that do not tile every node, HSDP on unequal
+            nodes under ``uneven_nodes="error"``, a ``replicate_size`` that
+            does not divide the data-parallel size, or shard groups that leave
+            a node without ``shard_across_nodes``.
     """
+    inner = tuple((name, size) for name, size in inner_axes if size > 1)
+    block = _check_inner_axes(topology, inner)
+    # One "slot" per inner block, numbered node by node like ranks.
+    slots = topology_from_node_counts([n // block for n in topology.workers_per_node])
+    names, shape, grid = _data_parallel_layout(strategy, slots, replicate_size, uneven_nodes, block)
     order = topology.ranks_node_major
+    layout = MeshLayout(
+        axis_names=names + tuple(n for n, _ in inner),
+        shape=shape + tuple(s for _, s in inner),
+        ranks=tuple(r for slot in grid for r in order[slot * block : (slot + 1) * block]),
+    )
+    if REPLICATE_AXIS in names and SHARD_AXIS in names and not shard_across_nodes:
+        _check_shard_groups_in_nodes(topology, layout.groups(SHARD_AXIS), shape[0])
+    return layout
+
+
+def _data_parallel_layout(
+    strategy, topology: Topology, replicate_size, uneven_nodes, block
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """Axis names, shape and row-major slots of the data-parallel mesh."""
+    order = topology.ranks_node_major
+    world = topology.world_size
     if strategy is None:
-        return MeshLayout(axis_names=(REPLICATE_AXIS,), grid=order)
+        return (REPLICATE_AXIS,), (world,), order
     hybrid = strategy.is_hybrid
     if hybrid and replicate_size is None and not topology.is_uniform:
         hybrid = _check_uneven_policy(topology, uneven_nodes) != "full_shard"
     if not hybrid:
-        return MeshLayout(axis_names=(SHARD_AXIS,), grid=order)
-    replicate = resolve_replicate_size(topology, replicate_size, uneven_nodes)
-    shard = topology.world_size // replicate
-    rows = tuple(order[i * shard : (i + 1) * shard] for i in range(replicate))
-    if not shard_across_nodes:
-        _check_shard_groups_in_nodes(topology, rows, replicate)
-    return MeshLayout(axis_names=(REPLICATE_AXIS, SHARD_AXIS), grid=rows)
+        return (SHARD_AXIS,), (world,), order
+    replicate = resolve_replicate_size(topology, replicate_size, uneven_nodes, block=block)
+    return (REPLICATE_AXIS, SHARD_AXIS), (replicate, world // replicate), order
 
 
-def _check_shard_groups_in_nodes(topology: Topology, rows, replicate: int) -> None:
-    for group in rows:
+def _check_inner_axes(topology: Topology, inner: Sequence[tuple[str, int]]) -> int:
+    """The inner block size; refuses one that does not tile every node."""
+    block = math.prod(size for _, size in inner)
+    counts = topology.workers_per_node
+    if any(n % block for n in counts):
+        sizes = " x ".join(f"{AXIS_CONFIG_KEYS.get(n, n)}={s}" for n, s in inner)
+        raise ValueError(
+            f"{sizes} needs groups of {block} ranks inside one node, but the nodes run "
+            f"{list(counts)} workers: every node's worker count must be a multiple of {block}"
+        )
+    return block
+
+
+def _check_shard_groups_in_nodes(topology: Topology, groups, replicate: int) -> None:
+    for group in groups:
         nodes = sorted({topology.node_rank(rank) for rank in group})
         if len(nodes) > 1:
             raise ValueError(
@@ -209,10 +313,12 @@ def _check_uneven_policy(topology: Topology, uneven_nodes: str) -> str:
 
 
 def resolve_replicate_size(
-    topology: Topology, replicate_size: int | None, uneven_nodes: str = "error"
+    topology: Topology, replicate_size: int | None, uneven_nodes: str = "error", *, block: int = 1
 ) -> int:
     """HSDP replicate-axis size: the number of nodes unless overridden; on
-    unequal nodes under ``split_nodes``, ``world / gcd(workers per node)``."""
+    unequal nodes under ``split_nodes``, ``world / gcd(workers per node)``.
+    ``topology`` counts data-parallel slots: blocks of ``block`` ranks (one
+    tp x cp group each)."""
     world = topology.world_size
     if replicate_size is None:
         if topology.is_uniform:
@@ -221,7 +327,8 @@ def resolve_replicate_size(
         return world // math.gcd(*topology.workers_per_node)
     if world % replicate_size:
         raise ValueError(
-            f"fsdp_hsdp_replicate_size={replicate_size} does not divide the world size "
-            f"{world}; allowed: {[d for d in range(1, world + 1) if world % d == 0]}"
+            f"fsdp_hsdp_replicate_size={replicate_size} does not divide the "
+            + ("world size " if block == 1 else f"data-parallel size (world / {block}) ")
+            + f"{world}; allowed: {[d for d in range(1, world + 1) if world % d == 0]}"
         )
     return replicate_size

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -27,6 +28,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from ray_fsdp_backend.mesh import data_parallel_mesh
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
     apply_activation_checkpointing,
@@ -131,7 +133,13 @@ def no_gradient_sync(model: nn.Module, *, unsharded: bool) -> Iterator[None]:
 
 
 class FSDPStrategy(DistributionStrategy):
-    """FSDP2 over the mesh the backend built (1-D: FSDP, 2-D: HSDP)."""
+    """FSDP2 over the data-parallel axes of the mesh the backend built
+    (1-D: FSDP, 2-D: HSDP); model-parallel axes (tp) are left to the plan."""
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The sub-mesh ``fully_shard`` shards and replicates over."""
+        return data_parallel_mesh(self.mesh)
 
     @property
     def trainer_process_group(self) -> dist.ProcessGroup | None:
@@ -152,6 +160,10 @@ class FSDPStrategy(DistributionStrategy):
         """Shard ``model`` with its own ``convert_to_fsdp`` hook when it has one
         (the seed's adapter interface), else with the per-block policy; then
         materialise it if it was built on the meta device."""
+        if self.config.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                "tensor_parallel_size > 1: the mesh is laid out, the TP plan is not applied yet"
+            )
         policy = resolve_fsdp_policy(self.config, self.device)
         if self.config.compile:
             apply_compile(model, find_blocks(model, self.config.fsdp_block_classes))
@@ -160,7 +172,7 @@ class FSDPStrategy(DistributionStrategy):
             if self.config.use_gradient_checkpointing:
                 apply_activation_checkpointing(model, find_blocks(model))
             model = convert(
-                mesh=self.mesh,
+                mesh=self.dp_mesh,
                 mp_policy=policy.mp_policy,
                 offload_policy=policy.offload_policy,
                 reshard_after_forward=policy.reshard_after_forward,
@@ -172,7 +184,7 @@ class FSDPStrategy(DistributionStrategy):
                 apply_activation_checkpointing(model, blocks)
             if not has_meta_tensors(model):
                 model.to(self.device)
-            model = apply_fsdp(model, blocks, self.mesh, policy)
+            model = apply_fsdp(model, blocks, self.dp_mesh, policy)
         if has_meta_tensors(model):
             # Offloaded shards live on the host; FSDP2 moves them per use.
             param_device = "cpu" if policy.offloads else self.device
@@ -185,6 +197,6 @@ class FSDPStrategy(DistributionStrategy):
         only the cross-replica all-reduce waits); ``fsdp_accumulate_unsharded``
         defers the reduce-scatter too, holding full gradients on every rank."""
         unsharded = self.config.fsdp_accumulate_unsharded
-        if not unsharded and (self.mesh is None or self.mesh.ndim == 1):
+        if not unsharded and (self.mesh is None or self.dp_mesh.ndim == 1):
             return contextlib.nullcontext()
         return no_gradient_sync(model, unsharded=unsharded)

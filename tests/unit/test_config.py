@@ -128,3 +128,23 @@ def test_get_context_outside_a_worker_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="only available inside train_loop_per_worker"):
         rfb.get_context()
+
+
+def test_tensor_parallel_keys_are_checked_by_name():
+    cfg = FSDPConfig(use_fsdp=True, tensor_parallel_size=2)
+    assert cfg.sequence_parallel_enabled and not FSDPConfig().sequence_parallel_enabled
+    assert not FSDPConfig(
+        use_fsdp=True, tensor_parallel_size=2, sequence_parallel=False
+    ).sequence_parallel_enabled
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 must be a positive int"):
+        FSDPConfig(use_fsdp=True, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs use_fsdp=true"):
+        FSDPConfig(tensor_parallel_size=2)
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=2 with use_dmuon=true is not supported"
+    ):
+        FSDPConfig(use_fsdp=True, use_dmuon=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_parallel_size > 1"):
+        FSDPConfig(use_fsdp=True, sequence_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size='2' has type str"):
+        FSDPConfig.from_dict({"use_fsdp": True, "tensor_parallel_size": "2"})

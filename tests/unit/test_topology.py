@@ -9,10 +9,12 @@ from ray_fsdp_backend.backend import resolve_pg_backend
 from ray_fsdp_backend.config import ShardingStrategy
 from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import (
+    TP_AXIS,
     WorkerInfo,
     compute_mesh_layout,
     compute_topology,
     compute_topology_from_env,
+    topology_from_node_counts,
 )
 
 HSDP = ShardingStrategy.HYBRID_SHARD
@@ -138,3 +140,92 @@ def test_explicit_replicate_size_may_not_split_a_shard_group_across_nodes():
     )
     assert resolve_layout(cfg, topo).shape == (3, 4)
     assert compute_mesh_layout(HSDP, topo, replicate_size=4).groups("dp_shard")[0] == (0, 1, 2)
+
+
+# -- model-parallel axes inside the data-parallel ones -------------------
+
+TP2 = ((TP_AXIS, 2),)
+
+
+def test_tp_is_innermost_neighbouring_ranks_and_dp_coordinates_skip_it():
+    layout = compute_mesh_layout(ShardingStrategy.FULL_SHARD, _cluster(1, 4), inner_axes=TP2)
+    assert layout.axis_names == ("dp_shard", "tp") and layout.shape == (2, 2)
+    assert layout.grid == ((0, 1), (2, 3))
+    assert layout.groups("tp") == ((0, 1), (2, 3))
+    assert layout.groups("dp_shard") == ((0, 2), (1, 3))
+    assert layout.groups(("dp_shard", "tp")) == ((0, 1, 2, 3),)
+    assert [layout.data_parallel_coordinates(r) for r in range(4)] == [
+        (0, 2),
+        (0, 2),
+        (1, 2),
+        (1, 2),
+    ]
+    assert layout.coordinates(3) == {"dp_shard": 1, "tp": 1}
+    assert layout.axis_size("dp_replicate") == 1 and layout.size(("dp_shard", "tp")) == 4
+
+
+def test_hsdp_with_tp_is_three_axes_with_shard_and_tp_groups_inside_nodes():
+    topo = _cluster(2, 4)
+    layout = compute_mesh_layout(HSDP, topo, inner_axes=TP2)
+    assert layout.axis_names == ("dp_replicate", "dp_shard", "tp")
+    assert layout.shape == (2, 2, 2)
+    assert layout.groups("tp") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert layout.groups("dp_shard") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert layout.groups("dp_replicate") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert layout.data_parallel_coordinates(5) == (2, 4)  # replica 1, shard 0
+    # HSDP 2 x (1 x 2) on one node of 4: an explicit replicate size.
+    small = compute_mesh_layout(HSDP, _cluster(1, 4), replicate_size=2, inner_axes=TP2)
+    assert small.shape == (2, 1, 2) and small.groups("dp_replicate") == ((0, 2), (1, 3))
+    assert [small.data_parallel_coordinates(r)[0] for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_size_one_inner_axes_leave_the_layout_unchanged():
+    for strategy in (None, ShardingStrategy.FULL_SHARD, HSDP):
+        before = compute_mesh_layout(strategy, _cluster(2, 4))
+        after = compute_mesh_layout(strategy, _cluster(2, 4), inner_axes=((TP_AXIS, 1),))
+        assert before == after
+        for rank in range(8):  # dp coordinates: the flat position, as before
+            assert before.data_parallel_coordinates(rank) == (before.ranks.index(rank), 8)
+
+
+def test_tp_groups_follow_node_ids_not_rank_numbers():
+    topo = compute_topology([WorkerInfo(r, node_id="ab"[r % 2]) for r in range(8)])
+    layout = compute_mesh_layout(HSDP, topo, inner_axes=TP2)
+    assert layout.groups("tp") == ((0, 2), (4, 6), (1, 3), (5, 7))
+    for group in layout.groups("tp") + layout.groups("dp_shard"):
+        assert len({topo.node_rank(r) for r in group}) == 1
+
+
+def test_any_inner_axes_list_lays_out_outermost_first():
+    layout = compute_mesh_layout(
+        ShardingStrategy.FULL_SHARD, _cluster(1, 8), inner_axes=(("cp", 2), ("tp", 2))
+    )
+    assert layout.axis_names == ("dp_shard", "cp", "tp") and layout.shape == (2, 2, 2)
+    assert layout.groups("cp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert layout.groups(("dp_shard", "cp")) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert layout.data_parallel_coordinates(6) == (1, 2)
+
+
+def test_tp_that_does_not_tile_every_node_is_refused_with_the_counts():
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=4 needs groups of 4 ranks inside "
+        r"one node, but the nodes run \[8, 6\] workers",
+    ):
+        compute_mesh_layout(HSDP, topology_from_node_counts([8, 6]), inner_axes=((TP_AXIS, 4),))
+    with pytest.raises(ValueError, match=r"does not divide the data-parallel size \(world / 2\) 4"):
+        compute_mesh_layout(HSDP, _cluster(2, 4), replicate_size=3, inner_axes=TP2)
+    # Unequal nodes that tp divides: split_nodes shards over gcd blocks of tp groups.
+    layout = compute_mesh_layout(
+        HSDP, topology_from_node_counts([4, 2]), uneven_nodes="split_nodes", inner_axes=TP2
+    )
+    assert layout.shape == (3, 1, 2) and layout.groups("tp") == ((0, 1), (2, 3), (4, 5))
+
+
+def test_resolve_layout_reads_tensor_parallel_size():
+    cfg = FSDPConfig(use_fsdp=True, tensor_parallel_size=2)
+    assert resolve_layout(cfg, _cluster(1, 4)).axis_names == ("dp_shard", "tp")
+    hsdp = FSDPConfig(use_fsdp=True, fsdp_sharding_strategy="hybrid_shard", tensor_parallel_size=4)
+    assert resolve_layout(hsdp, _cluster(2, 8)).shape == (2, 2, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 needs groups of 4"):
+        resolve_layout(hsdp, _cluster(2, 2))
