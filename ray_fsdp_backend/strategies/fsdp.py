@@ -111,6 +111,17 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def apply_gradient_sum(model: nn.Module) -> None:
+    """Sum gradients over the FSDP mesh instead of averaging them: for a loss
+    that each rank already divides by the whole batch's token count
+    (context parallelism, ``ctx.global_token_count``). A divide factor of 1
+    reduces with ``PREMUL_SUM``, which gloo lacks (torch 2.13): forcing plain
+    ``SUM`` gives the same result on every backend."""
+    for module in fsdp_modules(model):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
 @contextmanager
 def no_gradient_sync(model: nn.Module, *, unsharded: bool) -> Iterator[None]:
     """Defer gradient reduction on every FSDP module of ``model`` until the

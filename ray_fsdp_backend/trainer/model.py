@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -181,16 +183,34 @@ def compute_rotary_tables(
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+Rope = tuple[torch.Tensor, torch.Tensor]
+"""cos and sin of every token's rotary angles, broadcastable to
+``(batch, heads, seq, head_dim // 2)``."""
+
+
+def rotary_angles(
+    cos: torch.Tensor, sin: torch.Tensor, seq: int, position_ids: torch.Tensor | None = None
+) -> Rope:
+    """The tables' rows for each token: ``0 .. seq-1``, or the positions in
+    ``position_ids`` (``[batch or 1, seq]``: packed documents, cp shards)."""
+    if position_ids is None:
+        return cos[:seq], sin[:seq]
+    return cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate pairs of channels of ``x`` (batch, heads, seq, head_dim)."""
-    seq = x.shape[-2]
-    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+    cos, sin = (t.to(x.dtype) for t in rope)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.flatten(-2)
 
 
-class Attention(nn.Module):
+class Attention(ContextParallelAttention):
+    """Grouped-query rotary attention; the kernel is ``self.attention_fn``
+    (causal, document-masked for packed rows; Ulysses or ring under context
+    parallelism, set by ``ctx.wrap``)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -199,15 +219,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, position_ids: torch.Tensor | None = None):
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads
-        )
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        out = self.attention_fn(q, k, v, position_ids=position_ids)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -234,8 +252,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, rope: Rope, position_ids: torch.Tensor | None = None):
+        x = x + self.attention(self.attention_norm(x), rope, position_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -293,14 +311,21 @@ class Transformer(nn.Module):
             nn.init.normal_(block.attention.wo.weight, std=residual_std)
             nn.init.normal_(block.feed_forward.w2.weight, std=residual_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``. ``position_ids`` (``[batch or 1, seq]``)
+        give each token's position in its document: packed rows restart them
+        per document (attention never crosses documents), and a context-parallel
+        shard passes its tokens' true positions."""
         if tokens.shape[1] > self.cfg.seq_len:
             raise ValueError(
                 f"sequence of {tokens.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}"
             )
         x = self.tok_embeddings(tokens)
+        rope = rotary_angles(self.rope_cos, self.rope_sin, tokens.shape[1], position_ids)
         for block in self.layers:
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, rope, position_ids)
         return self.output(self.norm(x))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

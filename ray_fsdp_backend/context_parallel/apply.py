@@ -1,0 +1,134 @@
+"""Swap a model's attention for its context-parallel form, in place.
+
+Two kinds of model are recognised:
+
+- modules derived from
+  :class:`~ray_fsdp_backend.context_parallel.attention.ContextParallelAttention`
+  (the project's decoder): their ``attention_fn`` becomes Ulysses (or ring)
+  attention over the cp group;
+- transformers models: a Ulysses function is registered once through
+  ``AttentionInterface.register`` (no patching) and selected with
+  ``set_attn_implementation``; the cache is turned off, because
+  transformers builds a packed row's per-document mask from
+  ``position_ids`` only without a cache, and ``use_cache`` defaults to True
+  even in train mode (a packed row would attend across documents).
+  A name that transformers has no mask function for makes it pass no mask:
+  the Ulysses function builds the causal, per-document mask itself from
+  the gathered ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
+from ray_fsdp_backend.context_parallel.ring import ring_causal_attention
+from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens
+from ray_fsdp_backend.context_parallel.ulysses import ulysses_attention
+
+HF_ATTENTION_NAME = "ray_fsdp_ulysses"
+"""The name the Ulysses kernel is registered under in transformers."""
+
+
+class ContextParallelBackend(str, Enum):
+    ULYSSES = "ulysses"
+    RING = "ring"
+
+
+class _ActiveGroup:
+    """The cp process group transformers' attention function uses: a process
+    runs one training job, so one group (set by :func:`apply_context_parallel`)."""
+
+    group = None
+
+
+def hf_ulysses_attention(module, query, key, value, attention_mask, *, scaling=None, **kwargs):
+    """transformers' attention-function signature: ``[b, heads, seq/cp, d]``
+    in, ``([b, seq/cp, heads, d], None)`` out. ``attention_mask`` is None
+    (see the module docstring); padding belongs at a row's end with label
+    ``-100``, where causal attention never lets a real token see it."""
+    out = ulysses_attention(
+        query,
+        key,
+        value,
+        group=_ActiveGroup.group,
+        position_ids=kwargs.get("position_ids"),
+        scale=scaling,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _hf_models(model: nn.Module) -> list[nn.Module]:
+    """transformers models inside ``model`` (none when transformers was never
+    imported: then no module can be one)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
+
+
+def disable_hf_cache(model: nn.Module) -> None:
+    """``use_cache=False`` on every transformers model in ``model``, so packed
+    rows get per-document masks from ``position_ids`` (see module docstring)."""
+    for hf_model in _hf_models(model):
+        hf_model.config.use_cache = False
+
+
+def apply_context_parallel(
+    model: nn.Module, group, backend: ContextParallelBackend | str = "ulysses"
+) -> nn.Module:
+    """Make every attention of ``model`` context-parallel over ``group``.
+
+    Call before FSDP wraps the model. Inputs then are this rank's shard of
+    each row (``ctx.shard_sequence``) with its ``position_ids``.
+
+    Raises:
+        ValueError: ``model`` has no attention this module recognises, or
+            ring for a transformers model (not wired: use Ulysses).
+    """
+    backend = ContextParallelBackend(backend)
+    kernel = (
+        functools.partial(ulysses_attention, group=group)
+        if backend is ContextParallelBackend.ULYSSES
+        else ring_causal_attention
+    )
+    own = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+    for module in own:
+        module.attention_fn = kernel
+    hf_models = _hf_models(model)
+    if hf_models and backend is ContextParallelBackend.RING:
+        raise ValueError(
+            "context_parallel_backend='ring' is wired for the project's decoder only; "
+            "use 'ulysses' for transformers models"
+        )
+    if hf_models:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(HF_ATTENTION_NAME, hf_ulysses_attention)
+        _ActiveGroup.group = group
+        for hf_model in hf_models:
+            hf_model.set_attn_implementation(HF_ATTENTION_NAME)
+        disable_hf_cache(model)
+    if not own and not hf_models:
+        raise ValueError(
+            f"context parallelism found no attention to replace in {type(model).__name__}: "
+            "it supports transformers models and modules derived from "
+            "ray_fsdp_backend.context_parallel.ContextParallelAttention"
+        )
+    return model
+
+
+def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
+    """Valid targets of ``labels`` summed over ``group`` (one all-reduce):
+    the denominator that makes each rank's token-sum loss the mean over the
+    whole dp x cp batch. ``group=None``: no reduction (one process)."""
+    count = count_valid_tokens(labels).to(torch.float32)
+    if group is not None:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return count

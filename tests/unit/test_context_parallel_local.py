@@ -1,0 +1,107 @@
+"""Context parallelism's pure parts, and packed rows in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_fsdp_backend.context_parallel import (
+    IGNORE_INDEX,
+    pack_documents,
+    shard_sequence,
+    shift_labels,
+)
+from ray_fsdp_backend.context_parallel.apply import disable_hf_cache
+from ray_fsdp_backend.context_parallel.sequence import chunk_indices, document_ids, is_packed
+from ray_fsdp_backend.context_parallel.ulysses import kv_repeat_factor
+from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+
+
+def _docs(lengths, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def test_pack_documents_restarts_positions_and_splits_long_documents():
+    rows = pack_documents(_docs([3, 5, 6]), seq_len=4)
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 2, 3]]
+    # the cut document continues as a new document on the next row
+    assert document_ids(rows["position_ids"]).tolist() == [[0, 0, 0, 1], [0, 0, 0, 0], [0] * 4]
+    assert torch.equal(rows["labels"], rows["input_ids"])
+    assert is_packed(rows["position_ids"]) and not is_packed(rows["position_ids"][1:])
+
+
+def test_shift_labels_ignores_targets_across_documents():
+    labels = torch.tensor([[10, 11, 12, 20, 21]])
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    assert shift_labels(labels).tolist() == [[11, 12, 20, 21, IGNORE_INDEX]]
+    assert shift_labels(labels, positions).tolist() == [[11, 12, IGNORE_INDEX, 21, IGNORE_INDEX]]
+
+
+def test_chunk_indices_contiguous_and_head_tail():
+    assert chunk_indices(8, 1, 2, load_balance=False).tolist() == [4, 5, 6, 7]
+    # ring: chunks r and 2cp-1-r of 2cp chunks
+    assert chunk_indices(8, 0, 2, load_balance=True).tolist() == [0, 1, 6, 7]
+    assert chunk_indices(8, 1, 2, load_balance=True).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="not divisible by context_parallel_size = 3"):
+        chunk_indices(8, 0, 3, load_balance=False)
+    with pytest.raises(ValueError, match="2 x context_parallel_size = 8"):
+        chunk_indices(12, 0, 4, load_balance=True)
+
+
+def test_shard_sequence_shifts_before_splitting_and_makes_positions():
+    ids = torch.arange(8).view(1, 8)
+    other = torch.ones(1, 8)
+    shards = [shard_sequence({"input_ids": ids, "labels": ids, "w": other}, r, 2) for r in (0, 1)]
+    assert shards[0]["labels"].tolist() == [[1, 2, 3, 4]]  # 4 lives on rank 1: kept
+    assert shards[1]["labels"].tolist() == [[5, 6, 7, IGNORE_INDEX]]
+    assert shards[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
+    assert shards[1]["w"].shape == (1, 4)
+    whole = torch.cat([s["input_ids"] for s in shards], dim=1)
+    assert torch.equal(whole, ids)
+
+
+def test_kv_repeat_factor():
+    assert kv_repeat_factor(8, 8, 4) == 1
+    assert kv_repeat_factor(8, 2, 4) == 2  # 2 kv heads over 4 ranks: each repeated twice
+    assert kv_repeat_factor(8, 1, 2) == 2
+    with pytest.raises(ValueError, match="not divisible by context_parallel_size=3"):
+        kv_repeat_factor(8, 2, 3)
+
+
+def _one_by_one(model_fn, docs, seq_len, rows):
+    """Logits of each document run alone, cut into the packed layout."""
+    logits = torch.cat([model_fn(d[None])[0] for d in docs])
+    return logits[: rows * seq_len].view(rows, seq_len, -1)
+
+
+def test_packed_decoder_rows_equal_documents_one_by_one():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=32))
+    docs = _docs([5, 9, 18, 12, 20])  # 64 tokens: two rows of 32, no document cut
+    rows = pack_documents(docs, 32)
+    with torch.no_grad():
+        packed = model(rows["input_ids"], rows["position_ids"])
+        alone = _one_by_one(model, docs, 32, 2)
+    assert float((packed - alone).abs().max()) < 1e-5
+
+
+def test_packed_transformers_rows_equal_documents_one_by_one_after_cache_off():
+    tf = pytest.importorskip("transformers")
+    from tests.hf_models import VOCAB, tiny_config
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tiny_config("llama"))  # default config: use_cache=True
+    docs = _docs([5, 9, 18, 12, 20], vocab=VOCAB)
+    rows = pack_documents(docs, 32)
+
+    def run(ids, **kw):
+        return model(input_ids=ids, **kw).logits
+
+    with torch.no_grad():
+        alone = _one_by_one(run, docs, 32, 2)
+        trapped = run(rows["input_ids"], position_ids=rows["position_ids"])
+        disable_hf_cache(model)  # what ctx.wrap does
+        packed = run(rows["input_ids"], position_ids=rows["position_ids"])
+    assert float((trapped - alone).abs().max()) > 1e-2  # the trap is real here
+    assert float((packed - alone).abs().max()) < 1e-5
