@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context import TrainContext, set_context
 from ray_fsdp_backend.mesh import build_device_mesh
+from ray_fsdp_backend.retry import set_default_budget
 from ray_fsdp_backend.strategies import build_strategy
 from ray_fsdp_backend.topology import MeshLayout, Topology, WorkerInfo
 
@@ -71,6 +72,7 @@ def setup_worker(
     )
     os.environ.update({k: str(v) for k, v in config.nccl_env.items()})
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    set_default_budget(config.storage_retry_s)
     device = _select_device()
     dist.init_process_group(
         backend=pg_backend,

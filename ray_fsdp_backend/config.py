@@ -79,6 +79,14 @@ class FSDPSettings:
     that hangs makes the run fail (and restart under ``FailureConfig``) after
     this long instead of hanging forever."""
 
+    storage_retry_s: float = 120.0
+    """Seconds one storage operation of the backend (a checkpoint file's
+    upload, a ranged read, the listing, a delete, a pretrained file's read)
+    may spend retrying transient object-store failures (throttling, 5xx,
+    dropped connections) before the run fails; 0: no retries. Must be below
+    ``timeout_s``: the other ranks wait for a retrying one in a collective.
+    See docs/checkpoints.md."""
+
     use_fsdp: bool = False
     """Shard the model with FSDP2 (True) or replicate it with DDP (False)."""
 
@@ -242,6 +250,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "backend": (str, type(None)),
     "init_method": (str,),
     "timeout_s": (int,),
+    "storage_retry_s": (int, float),
     "use_fsdp": (bool,),
     "fsdp_sharding_strategy": (str,),
     "fsdp_hsdp_replicate_size": (int, type(None)),
@@ -315,6 +324,12 @@ def _check_values(cfg: FSDPSettings) -> None:
     _check_one_of("hsdp_uneven_nodes", cfg.hsdp_uneven_nodes, UNEVEN_NODE_POLICIES)
     if cfg.timeout_s <= 0:
         raise ValueError(f"timeout_s={cfg.timeout_s!r} must be a positive number of seconds")
+    if not 0 <= cfg.storage_retry_s < cfg.timeout_s:
+        raise ValueError(
+            f"storage_retry_s={cfg.storage_retry_s!r} must be at least 0 and below "
+            f"timeout_s={cfg.timeout_s!r}: the other ranks wait for a retrying one in a "
+            "collective, which fails after timeout_s"
+        )
     if cfg.bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb={cfg.bucket_cap_mb!r} must be positive")
     if cfg.fsdp_hsdp_replicate_size is not None:

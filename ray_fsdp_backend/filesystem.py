@@ -7,7 +7,10 @@ resolves through ``pyarrow.fs.FileSystem.from_uri``, which reads credentials
 and endpoints from the environment as Ray does; a filesystem object the user
 built is used as given. :func:`to_fsspec` wraps it for the readers and writers
 of ``torch.distributed.checkpoint`` that speak fsspec, so no second set of
-credentials (s3fs, gcsfs) is ever needed.
+credentials (s3fs, gcsfs) is ever needed. Object-store filesystems come back
+wrapped by :func:`ray_fsdp_backend.retrying_fs.with_retries`: transient
+failures (throttling, dropped connections) are retried within
+``storage_retry_s``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import os
 
 import pyarrow.fs as pafs
+
+from ray_fsdp_backend.retrying_fs import with_retries
 
 
 def resolve_filesystem(
@@ -31,13 +36,14 @@ def resolve_filesystem(
     """
     text = os.fspath(path)
     if filesystem is not None:
-        return filesystem, text.split("://", 1)[-1]
+        return with_retries(filesystem), text.split("://", 1)[-1]
     if "://" not in text:
         return pafs.LocalFileSystem(), os.path.abspath(text)
     try:
-        return pafs.FileSystem.from_uri(text)
+        fs, fs_path = pafs.FileSystem.from_uri(text)
     except (ValueError, OSError) as exc:  # pyarrow's message names the URI, never a secret
         raise ValueError(f"cannot open {text!r}: {exc}") from exc
+    return with_retries(fs), fs_path
 
 
 def is_local(filesystem: pafs.FileSystem) -> bool:

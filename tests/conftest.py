@@ -44,15 +44,15 @@ class S3Server:
         ``RunConfig(storage_filesystem=...)``; it pickles to Ray workers."""
         import pyarrow.fs as pafs
 
-        return pafs.S3FileSystem(
+        options = dict(
             endpoint_override=self.endpoint,
             scheme="http",
             access_key="testing",
             secret_key="testing",
             region="us-east-1",
             allow_bucket_creation=True,
-            **kwargs,
         )
+        return pafs.S3FileSystem(**{**options, **kwargs})
 
 
 @contextlib.contextmanager

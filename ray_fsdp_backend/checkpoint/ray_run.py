@@ -65,6 +65,7 @@ from ray_fsdp_backend.checkpoint.sharded import (
     start_async_save,
 )
 from ray_fsdp_backend.checkpoint.store import CheckpointStore
+from ray_fsdp_backend.retrying_fs import unwrap
 
 _logger = logging.getLogger(__name__)
 
@@ -82,13 +83,13 @@ _SAVED = False
 def run_store() -> CheckpointStore:
     """The store of this run: ``RunConfig(storage_path, name)``'s directory."""
     storage = ray.train.get_context().get_storage()
-    return CheckpointStore(storage.storage_filesystem, storage.experiment_fs_path)
+    return CheckpointStore.retrying(storage.storage_filesystem, storage.experiment_fs_path)
 
 
 def handed_store(checkpoint: ray.train.Checkpoint) -> tuple[CheckpointStore, str]:
     """A Ray ``Checkpoint`` as (store of its parent directory, its name)."""
     path = PurePosixPath(checkpoint.path)
-    return CheckpointStore(checkpoint.filesystem, str(path.parent)), path.name
+    return CheckpointStore.retrying(checkpoint.filesystem, str(path.parent)), path.name
 
 
 def save_checkpoint(
@@ -141,7 +142,8 @@ def _report(metrics, store: CheckpointStore, name: str, mode, upload=None) -> No
     extra = {} if upload is None else {"checkpoint_upload_fn": upload}
     ray.train.report(
         dict(metrics),
-        checkpoint=ray.train.Checkpoint(path=store.path(name), filesystem=store.fs),
+        # Ray's own calls get the user's filesystem, not our retrying wrapper.
+        checkpoint=ray.train.Checkpoint(path=store.path(name), filesystem=unwrap(store.fs)),
         checkpoint_dir_name=name,
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=False,

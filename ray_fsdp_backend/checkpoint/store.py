@@ -27,6 +27,7 @@ import pyarrow.fs as pafs
 
 from ray_fsdp_backend.checkpoint.layout import MARKER_NAME, parse_seq
 from ray_fsdp_backend.filesystem import to_fsspec
+from ray_fsdp_backend.retrying_fs import unwrap, with_retries
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class CheckpointStore:
 
     fs: pafs.FileSystem
     root: str
+
+    @classmethod
+    def retrying(cls, fs: pafs.FileSystem, root: str) -> CheckpointStore:
+        """A store on ``fs`` whose transient failures are retried within this
+        process's ``storage_retry_s`` (see :mod:`ray_fsdp_backend.retrying_fs`)."""
+        return cls(with_retries(fs), root)
 
     @classmethod
     def local(cls, path: str | os.PathLike) -> CheckpointStore:
@@ -48,7 +55,7 @@ class CheckpointStore:
 
     def describe(self) -> str:
         """The store for messages: filesystem kind and path (never credentials)."""
-        return f"{self.fs.type_name}://{self.root.lstrip('/')}"
+        return f"{unwrap(self.fs).type_name}://{self.root.lstrip('/')}"
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -116,7 +123,13 @@ class CheckpointStore:
         return info.type != pafs.FileType.NotFound
 
     def delete(self, name: str) -> None:
-        self.fs.delete_dir(self.path(name))
+        """Delete checkpoint ``name``; one already gone is no error (Ray may
+        be deleting a checkpoint it drops while rank 0 lists the store, and
+        then sees it without its marker, as if partial)."""
+        try:
+            self.fs.delete_dir(self.path(name))
+        except FileNotFoundError:
+            pass
 
 
 def dcp_writer(store: CheckpointStore, name: str):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ray_fsdp_backend.metrics.flops import flops_per_token, throughput_metrics
+from ray_fsdp_backend.retry import STATS as STORAGE_RETRIES
 from ray_fsdp_backend.strategies.blocks import find_blocks
 
 _GIB = 1024**3
@@ -35,7 +36,10 @@ _GIB = 1024**3
 
 class StepMeter:
     """Throughput, MFU, memory and ETA of a training loop, one rank's view
-    reduced over all ranks at each :meth:`measure`.
+    reduced over all ranks at each :meth:`measure`; also the storage retries
+    of the backend's checkpoint and pretrained I/O since the workers started
+    (``storage_retries``: all ranks' retries; ``storage_retry_s``: the most
+    seconds one rank spent in them; :mod:`ray_fsdp_backend.retry`).
 
     Args:
         device: the rank's device (CUDA memory stats on GPU, peak RSS on CPU).
@@ -75,9 +79,12 @@ class StepMeter:
         now = time.perf_counter()
         allocated, reserved = peak_memory_bytes(self.device)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        sums = _all_reduce([float(self._window_tokens)], dist.ReduceOp.SUM, self.device)
-        peaks = _all_reduce([now - self._last, allocated, reserved], dist.ReduceOp.MAX, self.device)
-        tokens, (seconds, allocated, reserved) = int(sums[0]), peaks
+        retries, retry_s = STORAGE_RETRIES.snapshot()
+        sums = _all_reduce([float(self._window_tokens), retries], dist.ReduceOp.SUM, self.device)
+        peaks = _all_reduce(
+            [now - self._last, allocated, reserved, retry_s], dist.ReduceOp.MAX, self.device
+        )
+        tokens, (seconds, allocated, reserved, retry_s) = int(sums[0]), peaks
         self.tokens_seen += tokens
         out = throughput_metrics(
             tokens=tokens,
@@ -93,6 +100,9 @@ class StepMeter:
             "memory_peak_allocated_gib": allocated / _GIB,
             "memory_peak_reserved_gib": reserved / _GIB,
             "elapsed_s": elapsed,
+            # Since the workers started: a throttled or flaky store shows here.
+            "storage_retries": int(sums[1]),
+            "storage_retry_s": retry_s,
         }
         if self.total_steps is not None:
             # From the latest window: the first one may hold compilation.

@@ -45,7 +45,9 @@ FAULTS = [
 ]
 
 
-def _fit(tmp_path, fs, name: str, faults: list, *, workers=4, max_failures=None, **config):
+def _fit(
+    tmp_path, fs, name: str, faults: list, *, workers=4, max_failures=None, fsdp=FSDP, **config
+):
     fault_dir = tmp_path / f"{name}_faults"
     fault_dir.mkdir(exist_ok=True)
     trainer = TorchTrainer(
@@ -57,7 +59,7 @@ def _fit(tmp_path, fs, name: str, faults: list, *, workers=4, max_failures=None,
             "faults": faults,
             **config,
         },
-        torch_config=FSDP,
+        torch_config=fsdp,
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(
             name=name,
@@ -149,13 +151,17 @@ def test_server_gone_mid_save_fails_naming_the_store_then_resumes(s3_server, ray
     stopper.start()
     faults = [{"rank": 0, "step": 4, "where": "server_gone"}]
     endpoint = f"127.0.0.1:{port}"
+    # The server stays gone: the writes give up after storage_retry_s.
+    fsdp = rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False, storage_retry_s=3)
     try:
         with pytest.raises(Exception) as info:
-            _fit(tmp_path, s3, "gone", faults, workers=2, max_failures=0, endpoint=endpoint)
+            _fit(tmp_path, s3, "gone", faults, workers=2, max_failures=0, fsdp=fsdp,
+                 endpoint=endpoint)  # fmt: skip
         message = str(info.value)
         print("error:", message[-600:])
         assert f"s3://{BUCKET}/runs/gone" in message
         assert "testing" not in message  # the access and secret keys
+        assert "gave up after" in message and "storage_retry_s=3" in message
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         server.start()
         result, _ = _fit(tmp_path, s3, "gone", faults, workers=2, endpoint=endpoint)

@@ -8,6 +8,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from ray_fsdp_backend.filesystem import is_local, resolve_filesystem, to_fsspec
+from ray_fsdp_backend.retrying_fs import unwrap
 
 
 def test_plain_path_is_local_and_absolute(tmp_path, monkeypatch):
@@ -21,7 +22,43 @@ def test_file_uri_and_given_filesystem():
     assert is_local(fs) and path == "/tmp/x"
     given = pafs.SubTreeFileSystem("/tmp", pafs.LocalFileSystem())
     fs, path = resolve_filesystem("s3://bucket/run", given)
-    assert fs is given and path == "bucket/run" and not is_local(fs)
+    assert unwrap(fs) is given and path == "bucket/run" and not is_local(fs)
+
+
+def test_retrying_filesystem_round_trip(tmp_path, monkeypatch):
+    """Through the retrying wrapper (over a non-local filesystem): staged
+    writes (spilled to a temporary file above the spool size) land whole,
+    ranged reads, listing and deletes work, and it pickles with its budget."""
+    import pickle
+
+    from ray_fsdp_backend import retrying_fs
+    from ray_fsdp_backend.retry import RetryPolicy
+
+    monkeypatch.setattr(retrying_fs, "SPOOL_MEMORY_BYTES", 1000)
+    base = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    fs = retrying_fs.with_retries(base, RetryPolicy(budget_s=5))
+    assert retrying_fs.with_retries(fs) is fs and unwrap(fs) is base
+    data = bytes(range(256)) * 20
+    fs.create_dir("d")
+    with fs.open_output_stream("d/f.bin") as f:
+        f.write(data[:3000])
+        assert not (tmp_path / "d" / "f.bin").exists()  # staged until closed
+        f.write(data[3000:])
+    assert (tmp_path / "d" / "f.bin").read_bytes() == data
+    with fs.open_input_file("d/f.bin") as f:
+        assert f.size() == len(data) and f.read_at(7, 4000) == data[4000:4007]
+        f.seek(10)
+        assert f.read(5) == data[10:15]
+    with to_fsspec(fs).open("d/f.bin", "rb") as f:
+        assert f.read() == data
+    listed = fs.get_file_info(pafs.FileSelector("d"))
+    assert [i.path for i in listed] == ["d/f.bin"]
+    again = pickle.loads(pickle.dumps(fs))
+    assert again.handler.policy.budget_s == 5 and unwrap(again).equals(base)
+    fs.delete_dir("d")
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(FileNotFoundError):  # a first attempt's NotFound is an answer
+        fs.delete_dir("d")
 
 
 def test_unknown_scheme_names_the_uri():

@@ -23,6 +23,7 @@ from ray_fsdp_backend.metrics.reporting import (
     estimate_flops_per_token,
     show_ray_report_lines,
 )
+from ray_fsdp_backend.retry import STATS as STORAGE_RETRIES
 from ray_fsdp_backend.strategies.blocks import apply_compile, find_blocks
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
@@ -124,6 +125,8 @@ def test_step_meter_in_one_process():
     assert m["tokens_per_s"] > 0 and m["mfu_pct"] > 0
     assert m["eta_s"] == pytest.approx(m["step_time_s"] * 5)  # 5 steps left at this pace
     assert m["memory_peak_allocated_gib"] > 0.01  # this process's peak RSS
+    retries, seconds = STORAGE_RETRIES.snapshot()
+    assert (m["storage_retries"], m["storage_retry_s"]) == (retries, seconds)
     meter.count_tokens(32)
     assert meter.measure(6)["tokens_seen"] == 64 + 128
 

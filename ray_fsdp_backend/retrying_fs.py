@@ -1,0 +1,238 @@
+"""A ``pyarrow.fs`` filesystem that retries transient failures of another.
+
+:func:`with_retries` wraps a run's object-store filesystem in a
+``pyarrow.fs.PyFileSystem`` whose handler runs every operation through
+:func:`ray_fsdp_backend.retry.call_with_retries`, each within the budget
+(``FSDPSettings.storage_retry_s``). Everything the backend does on a store
+goes through it: DCP's reader and writer (via ``to_fsspec``), markers, the
+listing that finds the newest checkpoint, deletions, pretrained loads and
+Hugging Face exports. The wrapper pickles with its budget (spawned ranks and
+Ray workers get it whole). See :mod:`ray_fsdp_backend.retry` for why this is
+our own layer and not the S3 client's retry strategy.
+
+- Metadata operations (info, listing, create, delete, move) are retried as
+  they are; a delete whose earlier attempt went through before its answer
+  was lost counts a missing path as deleted.
+- Reads: opening is retried; a failed read closes the underlying file and
+  the retry reopens it and reads the same range (``read_at``), so a dropped
+  connection in the middle of a ranged read costs that range only.
+- Writes are staged: the bytes go to a spool (memory up to
+  :data:`SPOOL_MEMORY_BYTES`, then an anonymous temporary file, which leaves
+  nothing behind even if the process dies) and are uploaded whole when the
+  file is closed; a retry uploads the whole object again. An object store
+  makes an object visible only when its upload completes (a single put, or
+  the final ``CompleteMultipartUpload``, which ``pyarrow`` does not send
+  after a failed part), so an object is whole or absent, never a torn
+  prefix. The close, and with it the upload, happens in the thread that
+  writes: DCP's background thread for asynchronous saves.
+
+Local filesystems are returned unwrapped: their errors (a full disk, a
+missing directory) are not transient.
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from ray_fsdp_backend.retry import RetryPolicy, call_with_retries, default_policy
+
+SPOOL_MEMORY_BYTES = 16 * 1024 * 1024
+"""A staged write moves from memory to a temporary file above this size."""
+_COPY_CHUNK = 8 * 1024 * 1024
+
+
+def with_retries(fs: pafs.FileSystem, policy: RetryPolicy | None = None) -> pafs.FileSystem:
+    """``fs`` with transient failures retried (``policy``: the process's
+    :func:`~ray_fsdp_backend.retry.default_policy`, i.e. ``storage_retry_s``).
+    Local filesystems and already-wrapped ones are returned as they are."""
+    if isinstance(fs, pafs.LocalFileSystem) or unwrap(fs) is not fs:
+        return fs
+    return pafs.PyFileSystem(RetryingHandler(fs, policy or default_policy()))
+
+
+def unwrap(fs: pafs.FileSystem) -> pafs.FileSystem:
+    """The filesystem under :func:`with_retries` (``fs`` itself when unwrapped),
+    for Ray's own calls and for messages naming the store."""
+    if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, RetryingHandler):
+        return fs.handler.fs
+    return fs
+
+
+class RetryingHandler(pafs.FileSystemHandler):
+    """The ``PyFileSystem`` handler of :func:`with_retries`."""
+
+    def __init__(self, fs: pafs.FileSystem, policy: RetryPolicy):
+        self.fs, self.policy = fs, policy
+
+    def __eq__(self, other):
+        return isinstance(other, RetryingHandler) and self.fs.equals(other.fs)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __reduce__(self):
+        return RetryingHandler, (self.fs, self.policy)
+
+    def retry(self, fn, what: str):
+        return call_with_retries(fn, what=what, policy=self.policy)
+
+    def _deleting(self, fn, what: str):
+        """A delete, where a retry that finds the path gone is done."""
+        tried = [False]
+
+        def attempt():
+            try:
+                return fn()
+            except FileNotFoundError:
+                if not tried[0]:
+                    raise
+            finally:
+                tried[0] = True
+
+        return self.retry(attempt, what)
+
+    def get_type_name(self) -> str:
+        return f"retrying+{self.fs.type_name}"
+
+    def normalize_path(self, path):
+        return self.fs.normalize_path(path)
+
+    def get_file_info(self, paths):
+        return self.retry(lambda: self.fs.get_file_info(paths), f"getting info of {paths}")
+
+    def get_file_info_selector(self, selector):
+        return self.retry(lambda: self.fs.get_file_info(selector), f"listing {selector.base_dir}")
+
+    def create_dir(self, path, recursive):
+        self.retry(lambda: self.fs.create_dir(path, recursive=recursive), f"creating {path}")
+
+    def delete_dir(self, path):
+        self._deleting(lambda: self.fs.delete_dir(path), f"deleting {path}")
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self._deleting(
+            lambda: self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok),
+            f"deleting the contents of {path}",
+        )
+
+    def delete_root_dir_contents(self):
+        self.retry(lambda: self.fs.delete_dir_contents("/", accept_root_dir=True), "emptying /")
+
+    def delete_file(self, path):
+        self._deleting(lambda: self.fs.delete_file(path), f"deleting {path}")
+
+    def move(self, src, dest):
+        self.retry(lambda: self.fs.move(src, dest), f"moving {src} to {dest}")
+
+    def copy_file(self, src, dest):
+        self.retry(lambda: self.fs.copy_file(src, dest), f"copying {src} to {dest}")
+
+    def open_input_stream(self, path):
+        return self.open_input_file(path)
+
+    def open_input_file(self, path):
+        file = self.retry(lambda: self.fs.open_input_file(path), f"opening {path}")
+        return pa.PythonFile(_RetryingInput(self, path, file), mode="r")
+
+    def open_output_stream(self, path, metadata):
+        return pa.PythonFile(_StagedOutput(self, path, metadata), mode="w")
+
+    def open_append_stream(self, path, metadata):
+        raise NotImplementedError("appending is not supported on object storage")
+
+
+class _RetryingInput(io.RawIOBase):
+    """A random-access file whose reads reopen the file and retry."""
+
+    def __init__(self, handler: RetryingHandler, path: str, file):
+        self._handler, self._path, self._file = handler, path, file
+        self._size = file.size()
+        self._pos = 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, n=-1):
+        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
+        if n <= 0:
+            return b""
+        pos = self._pos
+        data = self._handler.retry(lambda: self._read_at(n, pos), f"reading {self._path}")
+        self._pos += len(data)
+        return data
+
+    def readall(self):
+        return self.read(-1)
+
+    def readinto(self, buf):
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def _read_at(self, n: int, pos: int) -> bytes:
+        if self._file is None:
+            self._file = self._handler.fs.open_input_file(self._path)
+        try:
+            return self._file.read_at(n, pos)
+        except BaseException:
+            self._drop_file()
+            raise
+
+    def _drop_file(self) -> None:
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError:
+            pass  # the connection is what failed
+
+    def close(self):
+        if self._file is not None:
+            self._drop_file()
+        super().close()
+
+
+class _StagedOutput(io.RawIOBase):
+    """Bytes spooled locally, uploaded whole (and retried whole) on close."""
+
+    def __init__(self, handler: RetryingHandler, path: str, metadata):
+        self._handler, self._path, self._metadata = handler, path, metadata
+        self._spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        return self._spool.write(data)
+
+    def tell(self):
+        return self._spool.tell()
+
+    def close(self):
+        if self.closed:
+            return
+        try:
+            self._handler.retry(self._upload, f"writing {self._path}")
+        finally:
+            self._spool.close()
+            super().close()
+
+    def _upload(self) -> None:
+        self._spool.seek(0)
+        with self._handler.fs.open_output_stream(self._path, metadata=self._metadata) as out:
+            while chunk := self._spool.read(_COPY_CHUNK):
+                out.write(chunk)
