@@ -31,7 +31,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from ray_fsdp_backend.checkpoint.buffers import rank_buffers, restore_rank_buffers
 from ray_fsdp_backend.checkpoint.layout import (
@@ -43,6 +47,12 @@ from ray_fsdp_backend.checkpoint.layout import (
     stale_partials,
 )
 from ray_fsdp_backend.checkpoint.store import CheckpointStore, dcp_reader, dcp_writer
+from ray_fsdp_backend.strategies.peft import (
+    adapter_layout,
+    describe_layout,
+    frozen_is_random,
+    has_frozen_parameters,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -214,10 +224,22 @@ def load_sharded(
 
     Collective: every rank calls it with the same ``name``.
 
+    A model with frozen parameters (a PEFT model's base) loads only its
+    trainable parameters, their optimizer state and buffers: the frozen base
+    must already hold its pretrained weights (``load_pretrained``).
+
     Raises:
         CheckpointMismatchError: keys missing from or extra in the checkpoint,
-            or tensors of another shape; the message names them.
+            tensors of another shape (naming adapter ranks and targets when
+            the adapters differ), or a frozen base that was initialised at
+            random and never loaded.
     """
+    if frozen_is_random(model):
+        raise CheckpointMismatchError(
+            f"checkpoint {store.path(name)} holds only the trainable parameters, but the "
+            "model's frozen base was initialised at random and never loaded: call "
+            "load_pretrained(model, <base checkpoint>) before restoring"
+        )
     state = _state_to_load(model, optimizer)
     reader = dcp_reader(store, name)
     with naming_store(store, name, "reading"):
@@ -239,10 +261,17 @@ def find_latest(store: CheckpointStore) -> str | None:
 # -- model and optimizer state ------------------------------------------
 
 
+def _state_options(model: nn.Module) -> StateDictOptions:
+    """Frozen parameters (a PEFT base, loaded from its own checkpoint) stay out
+    of checkpoints; keys are checked before a load, so strict is not needed."""
+    frozen = has_frozen_parameters(model)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _state_to_save(model: nn.Module, optimizer) -> dict[str, Any]:
     optimizers = [optimizer] if optimizer is not None else []
     fresh = optimizer is not None and not optimizer.state
-    model_sd, optim_sd = get_state_dict(model, optimizers)
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=_state_options(model))
     if fresh:
         # get_state_dict initialises a fresh optimizer's state with one lr-0 step
         # on zero gradients (torch 2.13): its moments stay zero but step counts
@@ -274,6 +303,7 @@ def _set_state(model: nn.Module, optimizer, state: dict[str, Any]) -> None:
         optimizers,
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
+        options=_state_options(model),
     )
 
 
@@ -304,12 +334,19 @@ def stored_shapes(metadata: Metadata) -> dict[str, tuple | None]:
 def check_fits(state: Mapping[str, Any], metadata: Metadata, *, where: str) -> None:
     """Raise ``CheckpointMismatchError`` naming the keys when ``state`` and the
     checkpoint differ in keys or tensor shapes (DCP would ignore extra keys)."""
-    mismatch = compute_key_mismatch(
-        flatten_shapes(state), stored_shapes(metadata), _CHECKED_PREFIXES
-    )
+    mine, theirs = flatten_shapes(state), stored_shapes(metadata)
+    mismatch = compute_key_mismatch(mine, theirs, _CHECKED_PREFIXES)
     if mismatch:
+        adapters = ""
+        ours, saved = adapter_layout(mine), adapter_layout(theirs)
+        if ours != saved:
+            adapters = (
+                f"; its LoRA adapters are {describe_layout(saved)}, "
+                f"the model's are {describe_layout(ours)}"
+            )
         raise CheckpointMismatchError(
             f"checkpoint {where} does not fit this model/optimizer: {mismatch.describe()}"
+            + adapters
         )
 
 

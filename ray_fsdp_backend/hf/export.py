@@ -25,19 +25,26 @@ def export_model(
     ``format="hf"``: directory ``path`` in Hugging Face layout, sharded
     safetensors of at most ``max_shard_size``, their index and, for a
     ``transformers`` model, ``config.json`` and ``generation_config.json``:
-    ``AutoModelForCausalLM.from_pretrained(path)`` loads it. Each rank writes
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads it (a PEFT model's
+    adapters merged into the base weights). Each rank writes
     what it owns; no rank gathers the model. ``dtype`` defaults to the dtype
     of the weights ``load_pretrained`` read, else the parameters' dtype.
     ``format="safetensors"`` (also chosen by a ``path`` ending in
     ``.safetensors``): one file, see :func:`export_single_file`. Collective:
-    every rank calls it; returns ``path`` once complete.
+    every rank calls it; returns ``path`` once complete. ``format="peft"``:
+    a PEFT model's adapters as ``PeftModel.from_pretrained`` reads them
+    (:mod:`.peft_export`).
 
     Raises:
         ValueError: an unknown ``format`` or a bad ``max_shard_size``.
     """
     path = os.fspath(path)
-    if format not in ("hf", "safetensors"):
-        raise ValueError(f"export_model format={format!r} is not one of hf, safetensors")
+    if format not in ("hf", "safetensors", "peft"):
+        raise ValueError(f"export_model format={format!r} is not one of hf, safetensors, peft")
+    if format == "peft":
+        from ray_fsdp_backend.hf.peft_export import export_peft
+
+        return export_peft(model, path, dtype=dtype)
     if format == "hf" and not path.endswith(".safetensors"):
         from ray_fsdp_backend.hf.load import pretrained_dtype
         from ray_fsdp_backend.hf.writer import export_hf

@@ -27,12 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
 from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.entries import Entry
 from ray_fsdp_backend.hf.experts import fuse_experts
+from ray_fsdp_backend.hf.peft import resolve_peft_load
 from ray_fsdp_backend.hf.reader import (
     KeyMap,
     PretrainedCheckpointError,
     SafetensorsReader,
     read_checkpoint_index,
 )
+from ray_fsdp_backend.strategies.peft import note_frozen_loaded
 
 _SHOWN = 5
 # The checkpoint dtype of each model loaded here: the default dtype of an HF export.
@@ -60,7 +62,10 @@ def load_pretrained(
     parameters' dtype; tied weights stay tied (the checkpoint may hold either
     name). Buffers the checkpoint lacks keep the values the model's own
     initialisation gave them (rotary tables and other non-persistent buffers
-    are never in a checkpoint). Create the optimizer afterwards. Collective:
+    are never in a checkpoint). A PEFT model needs no ``key_map``: a base
+    checkpoint fills everything but the adapters (which keep PEFT's
+    initialisation), a PEFT adapter directory (``adapter_config.json``) fills
+    the adapters (see :mod:`.peft`). Create the optimizer afterwards. Collective:
     every rank calls it. Returns the reader (``bytes_read`` says how much this
     rank read).
 
@@ -71,16 +76,23 @@ def load_pretrained(
     fs, root = resolve_filesystem(path, filesystem)
     state = get_model_state_dict(model)
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    entries = fuse_experts(read_checkpoint_index(fs, root, key_map), shapes)
     params = {n: id(p) for n, p in _unwrapped(model).named_parameters(remove_duplicate=False)}
+    peft = resolve_peft_load(model, list(state), fs, root) if key_map is None else None
+    if peft is not None:  # PEFT names: the base, or the adapters of an adapter directory
+        root, key_map = peft.path, peft.key_map
+        params = {n: i for n, i in params.items() if n in peft.required}
+        state = {k: v for k, v in state.items() if k in peft.required}
+    entries = fuse_experts(read_checkpoint_index(fs, root, key_map), shapes)
     to_load = check_fits(state, params, entries, where=os.fspath(path))
     reader = SafetensorsReader(fs, {k: entries[k] for k in to_load})
     load_state = {k: state[k] for k in to_load}
     dcp.load(load_state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(model, load_state, options=StateDictOptions(strict=False))
-    dtypes = Counter(entries[k].dtype for k in to_load)
-    if dtypes:
-        _LOADED_DTYPE[_unwrapped(model)] = dtypes.most_common(1)[0][0]
+    if peft is None or peft.fills_base:
+        note_frozen_loaded(model)
+        dtypes = Counter(entries[k].dtype for k in to_load)
+        if dtypes:
+            _LOADED_DTYPE[_unwrapped(model)] = dtypes.most_common(1)[0][0]
     return reader
 
 

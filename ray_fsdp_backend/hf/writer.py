@@ -5,8 +5,9 @@ Every rank writes the slices it owns with DCP's ``HuggingFaceStorageWriter``
 ``consolidate_safetensors_files_on_every_rank`` turns them into
 ``model-0000i-of-0000N.safetensors`` files, each rank assembling some of them
 one tensor at a time, and rank 0 writes the index, ``config.json`` and
-``generation_config.json``. Peak host memory on a rank: its own shard plus
-one full tensor. Both steps work on local paths only (torch 2.13), so the
+``generation_config.json``. A PEFT model is written merged (its adapters
+added into the base weights: :mod:`.peft_export`). Peak host memory on a
+rank: its own shard plus one full tensor. Both steps work on local paths only (torch 2.13), so the
 path must be one every rank sees (a local disk in one node, a shared
 filesystem across nodes).
 """
@@ -27,6 +28,9 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (
     consolidate_safetensors_files_on_every_rank,
 )
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from ray_fsdp_backend.hf.peft_export import merge_adapters
+from ray_fsdp_backend.strategies.peft import is_peft_model
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -68,7 +72,10 @@ def export_hf(model: nn.Module, path: str, *, max_shard_size: int | str, dtype: 
     max_bytes = parse_size(max_shard_size)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     state = get_model_state_dict(model)
-    state = {k: v.detach().to(dtype) for k, v in state.items() if k in _unique_keys(inner, state)}
+    state = {k: v for k, v in state.items() if k in _unique_keys(inner, state)}
+    if is_peft_model(inner):  # adapters merged into the base, under the base's names
+        state = merge_adapters(inner, state)
+    state = {k: v.detach().to(dtype) for k, v in state.items()}
     sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
     mapping = plan_shard_files(sizes, max_bytes)
     staging = os.path.join(path, _STAGING)

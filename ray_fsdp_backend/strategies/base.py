@@ -70,7 +70,7 @@ class DistributionStrategy(ABC):
         :mod:`ray_fsdp_backend.clip`). Details of the last call are in
         ``last_grad_clip_stats``.
         """
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad]  # a frozen base has none
         if optimizer is not None:
             params += [p for group in optimizer.param_groups for p in group["params"]]
         # The first call also checks that plain gradients are equal on all ranks.

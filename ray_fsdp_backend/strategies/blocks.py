@@ -12,6 +12,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ray_fsdp_backend.strategies.peft import (
+    check_meta_initialisable,
+    is_peft_model,
+    note_random_frozen,
+    reset_adapters,
+)
+
 _logger = logging.getLogger(__name__)
 
 
@@ -128,7 +135,8 @@ def materialize_meta_module(
 ) -> None:
     """Allocate a meta-device model's (possibly sharded) storage and initialise
     it: the model's ``init_weights()`` when it has one, else every submodule's
-    ``reset_parameters()``.
+    ``reset_parameters()``; then PEFT adapters get PEFT's own initialisation
+    (:func:`~ray_fsdp_backend.strategies.peft.reset_adapters`).
 
     Run after sharding, so each rank allocates and initialises only its own
     shard and no rank ever holds the full model. Parameters go to ``device``
@@ -148,8 +156,12 @@ def materialize_meta_module(
     init = getattr(model, "init_weights", None)
     if not callable(init):
         _check_resettable(model)
+    peft = is_peft_model(model)
+    if peft:
+        check_meta_initialisable(model)
     tied = _shared_parameter_slots(model)
     real = {name: t.detach().clone() for name, t in _named_tensors(model) if not t.is_meta}
+    meta_params = [name for name, p in model.named_parameters() if p.is_meta]
     meta_buffers = [name for name, b in model.named_buffers() if b.is_meta]
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     # Allocation makes one new tensor per registration, untying shared weights.
@@ -169,6 +181,9 @@ def materialize_meta_module(
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
+        if peft:  # the model's init gave adapters nn.Linear's; PEFT's starts lora_B at 0
+            reset_adapters(model, meta_params)
+            note_random_frozen(model, meta_params)
         current = dict(_named_tensors(model))
         for name, value in real.items():  # values the caller gave win over init
             current[name].copy_(value)
