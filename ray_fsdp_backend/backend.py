@@ -79,6 +79,7 @@ class FSDPBackend(Backend):
         topology = compute_topology(infos)
         layout = resolve_layout(backend_config, topology)
         uses_gpu = any(info.gpu_ids for info in infos)
+        backend_config.check_cp_device("cuda" if uses_gpu else "cpu")
         pg_backend = resolve_pg_backend(backend_config, uses_gpu)
         addr, port = next(address for info, address in described if info.world_rank == 0)
         _logger.info(

@@ -168,6 +168,22 @@ class FSDPSettings:
     sequence (activations between blocks divided by tp). None: on when
     ``tensor_parallel_size > 1``."""
 
+    context_parallel_size: int = 1
+    """Ranks that split each sequence (context parallelism, mesh axis ``cp``,
+    just inside ``dp_shard``; cp x tp neighbouring ranks of one node). The
+    ranks of one cp group read the same rows, each keeps ``seq / cp`` tokens
+    of them (``ctx.shard_sequence``); FSDP2 shards over ``dp_shard`` x ``cp``
+    and *sums* gradients, so the loss is the token sum over the global token
+    count (``ctx.global_token_count``). Needs ``use_fsdp``; not with
+    ``use_dmuon``. See docs/long-context.md."""
+
+    context_parallel_backend: str = "auto"
+    """``ulysses`` (all-to-all around attention: any device, any kernel,
+    packed rows; needs attention heads per tp rank divisible by cp),
+    ``ring`` (torch's ring attention: CUDA only, no packing; sequence
+    divisible by 2 x cp) or ``auto`` (Ulysses when the heads allow, else ring
+    on GPUs)."""
+
     use_dmuon: bool = False
     """Train with the distributed Muon runtime (:mod:`ray_fsdp_backend.dmuon`).
     Needs ``use_fsdp``."""
@@ -213,6 +229,43 @@ class FSDPSettings:
         if self.sequence_parallel is None:
             return self.tensor_parallel_size > 1
         return self.sequence_parallel
+
+    def resolve_cp_backend(self, n_heads: int, device_type: str) -> str:
+        """``context_parallel_backend`` for a model with ``n_heads`` attention
+        heads on ``device_type`` workers: ``"ulysses"`` or ``"ring"``.
+
+        Raises:
+            ValueError: ring on CPU, or Ulysses with heads per tp rank not
+                divisible by cp (naming the keys).
+        """
+        cp, tp, choice = self.context_parallel_size, self.tensor_parallel_size, None
+        heads = n_heads // tp
+        fits = heads % cp == 0
+        if self.context_parallel_backend == "auto":
+            choice = "ulysses" if fits else "ring"
+        else:
+            choice = self.context_parallel_backend
+        if choice == "ulysses" and not fits:
+            raise ValueError(
+                f"context_parallel_backend=ulysses splits heads over cp: {n_heads} heads / "
+                f"tensor_parallel_size={tp} = {heads} per tp rank is not divisible by "
+                f"context_parallel_size={cp}. Choose a cp size dividing {heads}, or ring on GPUs"
+            )
+        if choice == "ring" and device_type != "cuda":
+            why = "" if fits else f" ({heads} heads per tp rank do not split over cp={cp})"
+            _refuse_ring_off_cuda(why)
+        return choice
+
+    def check_cp_device(self, device_type: str) -> None:
+        """Refuse ``context_parallel_backend=ring`` on workers without CUDA
+        (the backend calls it before any worker is set up).
+
+        Raises:
+            ValueError: ring on CPU workers.
+        """
+        ring = self.context_parallel_size > 1 and self.context_parallel_backend == "ring"
+        if ring and device_type != "cuda":
+            _refuse_ring_off_cuda("")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FSDPSettings:
@@ -267,6 +320,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "bucket_cap_mb": (int, float),
     "tensor_parallel_size": (int,),
     "sequence_parallel": (bool, type(None)),
+    "context_parallel_size": (int,),
+    "context_parallel_backend": (str,),
     "use_dmuon": (bool,),
     "fsdp_block_classes": (tuple,),
     "compile": (bool,),
@@ -357,6 +412,7 @@ def _check_values(cfg: FSDPSettings) -> None:
     if cfg.use_dmuon and not cfg.use_fsdp:
         raise ValueError("use_dmuon=True needs use_fsdp=true: DMuon runs on FSDP2 shards")
     _check_tensor_parallel(cfg)
+    _check_context_parallel(cfg)
     for key, value in cfg.nccl_env.items():
         if not (isinstance(key, str) and key.startswith(("NCCL_", "TORCH_NCCL_"))):
             raise ValueError(f"nccl_env key {key!r} must start with NCCL_ or TORCH_NCCL_")
@@ -386,6 +442,38 @@ def _check_tensor_parallel(cfg: FSDPSettings) -> None:
             "run Newton-Schulz on whole matrices gathered over dp_shard, and a TP-split matrix "
             "would also have to be gathered over tp every step. Use AdamW/Muon without DMuon, "
             "or tensor_parallel_size=1"
+        )
+
+
+CONTEXT_PARALLEL_BACKENDS = ("auto", "ulysses", "ring")
+
+
+def _refuse_ring_off_cuda(why: str) -> None:
+    raise ValueError(
+        f"context_parallel_backend=ring needs CUDA workers{why}: torch's ring attention "
+        "does not run on CPU (pytorch#147793); use ulysses, with cp dividing the heads"
+    )
+
+
+def _check_context_parallel(cfg: FSDPSettings) -> None:
+    cp = cfg.context_parallel_size
+    _check_one_of(
+        "context_parallel_backend", cfg.context_parallel_backend, CONTEXT_PARALLEL_BACKENDS
+    )
+    if cp < 1:
+        raise ValueError(f"context_parallel_size={cp!r} must be a positive int")
+    if cp == 1:
+        return
+    if not cfg.use_fsdp:
+        raise ValueError(
+            f"context_parallel_size={cp} needs use_fsdp=true: the cp ranks join FSDP2's shard "
+            "axis (dp_shard x cp); DDP with context parallelism is not supported"
+        )
+    if cfg.use_dmuon:
+        raise ValueError(
+            f"context_parallel_size={cp} with use_dmuon=true is not supported: DMuon's owners "
+            "reduce gradients by averaging, while context parallelism sums them over "
+            "dp_shard x cp. Use AdamW, or context_parallel_size=1"
         )
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.context_parallel.apply import global_token_count
+from ray_fsdp_backend.context_parallel.sequence import shard_sequence
 from ray_fsdp_backend.strategies.base import DistributionStrategy
-from ray_fsdp_backend.topology import TP_AXIS, MeshLayout, Topology
+from ray_fsdp_backend.topology import CP_AXIS, TP_AXIS, MeshLayout, Topology
 
 _CONTEXT: TrainContext | None = None
 
@@ -63,9 +66,41 @@ class TrainContext:
         """Position in the tensor-parallel group (0 without TP)."""
         return self.layout.coordinates(self.world_rank).get(TP_AXIS, 0)
 
+    @property
+    def cp_size(self) -> int:
+        """Ranks in this rank's context-parallel group (1 without CP)."""
+        return self.layout.axis_size(CP_AXIS)
+
+    @property
+    def cp_rank(self) -> int:
+        """Position in the context-parallel group (0 without CP): which part of
+        each sequence this rank holds."""
+        return self.layout.coordinates(self.world_rank).get(CP_AXIS, 0)
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Shard (FSDP2/HSDP) or replicate (DDP) ``model`` as configured."""
+        """Shard (FSDP2/HSDP) or replicate (DDP) ``model`` as configured; with
+        ``context_parallel_size > 1`` its attention first becomes Ulysses (or
+        ring) over the cp group and a transformers model's cache is turned off."""
         return self.strategy.wrap(model)
+
+    def shard_sequence(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This cp rank's part of every ``[batch, seq]`` tensor in ``batch``
+        (``input_ids``, ``labels``, ``position_ids``, ``attention_mask``, ...).
+        ``labels`` are shifted before the split (then the loss takes them as
+        they are), ``position_ids`` are made when absent; pass them to the
+        model. Without CP: the whole rows, labels shifted all the same. See
+        :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`."""
+        ring = self.strategy.cp_backend == "ring"
+        return shard_sequence(batch, self.cp_rank, self.cp_size, load_balance=ring)
+
+    def global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
+        """Valid targets (not -100) of the whole dp x cp batch, from this rank's
+        ``labels`` as :meth:`shard_sequence` returned them (one all-reduce).
+        The loss ``token_sum / ctx.global_token_count(labels)`` is then the
+        mean over the global batch on every layout, since gradients are summed
+        over dp x cp under context parallelism (docs/long-context.md)."""
+        group = dist.group.WORLD if dist.is_initialized() else None
+        return global_token_count(labels, group) / self.tp_size  # tp ranks count alike
 
     def clip_grad_norm(
         self,

@@ -76,7 +76,7 @@ def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
 def model_parallel_axes(config: FSDPSettings) -> list[tuple[str, int]]:
     """The axes inside the data-parallel ones, outermost first, with their
     configured sizes (size-one axes are dropped by the layout)."""
-    return [(TP_AXIS, config.tensor_parallel_size)]
+    return [(CP_AXIS, config.context_parallel_size), (TP_AXIS, config.tensor_parallel_size)]
 
 
 def _dims(mesh: DeviceMesh) -> tuple[str, ...]:

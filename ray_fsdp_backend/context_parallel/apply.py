@@ -73,6 +73,24 @@ def _hf_models(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
 
 
+def attention_heads(model: nn.Module) -> int:
+    """Query heads of ``model``'s attention (the whole model's, before any
+    tensor-parallel split).
+
+    Raises:
+        ValueError: no attention recognised (see :func:`apply_context_parallel`).
+    """
+    own = [m.n_heads for m in model.modules() if isinstance(m, ContextParallelAttention)]
+    hf = [m.config.num_attention_heads for m in _hf_models(model)]
+    if not own + hf:
+        raise ValueError(
+            f"context parallelism found no attention to replace in {type(model).__name__}: "
+            "it supports transformers models and modules derived from "
+            "ray_fsdp_backend.context_parallel.ContextParallelAttention"
+        )
+    return (own + hf)[0]
+
+
 def disable_hf_cache(model: nn.Module) -> None:
     """``use_cache=False`` on every transformers model in ``model``, so packed
     rows get per-document masks from ``position_ids`` (see module docstring)."""
@@ -92,6 +110,7 @@ def apply_context_parallel(
         ValueError: ``model`` has no attention this module recognises, or
             ring for a transformers model (not wired: use Ulysses).
     """
+    attention_heads(model)  # refuses a model without a recognised attention
     backend = ContextParallelBackend(backend)
     kernel = (
         functools.partial(ulysses_attention, group=group)
@@ -115,12 +134,6 @@ def apply_context_parallel(
         for hf_model in hf_models:
             hf_model.set_attn_implementation(HF_ATTENTION_NAME)
         disable_hf_cache(model)
-    if not own and not hf_models:
-        raise ValueError(
-            f"context parallelism found no attention to replace in {type(model).__name__}: "
-            "it supports transformers models and modules derived from "
-            "ray_fsdp_backend.context_parallel.ContextParallelAttention"
-        )
     return model
 
 

@@ -62,4 +62,7 @@ class ContextParallelAttention(nn.Module):
     replaces it with Ulysses (or ring) attention over the cp group.
     """
 
+    n_heads: int
+    """Query heads (context parallelism's Ulysses splits them over cp)."""
+
     attention_fn: Callable[..., torch.Tensor] = staticmethod(causal_attention)

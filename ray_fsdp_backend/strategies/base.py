@@ -22,6 +22,9 @@ class DistributionStrategy(ABC):
     ``params_sharded``; clipping is the same global-norm clip for all of them.
     """
 
+    cp_backend: str | None = None
+    """``ulysses`` or ``ring`` once ``wrap`` applied context parallelism."""
+
     def __init__(self, config: FSDPSettings, *, device: torch.device, mesh: DeviceMesh | None):
         self.config = config
         self.device = device

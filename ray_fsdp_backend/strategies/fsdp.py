@@ -28,6 +28,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from ray_fsdp_backend.context_parallel.apply import apply_context_parallel, attention_heads
 from ray_fsdp_backend.mesh import data_parallel_mesh
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
@@ -37,6 +38,7 @@ from ray_fsdp_backend.strategies.blocks import (
     has_meta_tensors,
     materialize_meta_module,
 )
+from ray_fsdp_backend.topology import CP_AXIS
 
 if TYPE_CHECKING:
     from ray_fsdp_backend.config import FSDPSettings
@@ -176,6 +178,9 @@ class FSDPStrategy(DistributionStrategy):
                 "tensor_parallel_size > 1: the mesh is laid out, the TP plan is not applied yet"
             )
         policy = resolve_fsdp_policy(self.config, self.device)
+        context_parallel = self.config.context_parallel_size > 1
+        if context_parallel:
+            self.apply_context_parallel(model)
         if self.config.compile:
             apply_compile(model, find_blocks(model, self.config.fsdp_block_classes))
         convert = getattr(model, "convert_to_fsdp", None)
@@ -196,11 +201,21 @@ class FSDPStrategy(DistributionStrategy):
             if not has_meta_tensors(model):
                 model.to(self.device)
             model = apply_fsdp(model, blocks, self.dp_mesh, policy)
+        if context_parallel:
+            apply_gradient_sum(model)
         if has_meta_tensors(model):
             # Offloaded shards live on the host; FSDP2 moves them per use.
             param_device = "cpu" if policy.offloads else self.device
             materialize_meta_module(model, param_device, buffer_device=self.device)
         return model
+
+    def apply_context_parallel(self, model: nn.Module) -> None:
+        """Swap ``model``'s attention for Ulysses or ring over the mesh's cp
+        axis (the backend resolved from its heads and the device, kept in
+        ``cp_backend``)."""
+        heads = attention_heads(model)
+        self.cp_backend = self.config.resolve_cp_backend(heads, self.device.type)
+        apply_context_parallel(model, self.mesh[CP_AXIS].get_group(), self.cp_backend)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Accumulation micro-batches. By default gradients are reduce-scattered

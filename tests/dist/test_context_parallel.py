@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
-from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend import TrainContext, build_strategy
+from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel import (
     apply_context_parallel,
     global_token_count,
@@ -25,7 +25,9 @@ from ray_fsdp_backend.context_parallel import (
     shift_labels,
 )
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
-from ray_fsdp_backend.strategies.fsdp import apply_fsdp, apply_gradient_sum, resolve_fsdp_policy
+from ray_fsdp_backend.hf.models import build_causal_lm
+from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.topology import topology_from_node_counts
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from tests.dist.harness import run_ranks
 
@@ -33,9 +35,13 @@ SEQ = 32
 STEPS = 3
 
 
+def _decoder_config(kv_heads: int) -> ModelConfig:
+    return ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, seq_len=SEQ)
+
+
 def _decoder(kv_heads: int, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, seq_len=SEQ))
+    return Transformer(_decoder_config(kv_heads))
 
 
 def _rows(packed: bool, vocab: int = 256, seed: int = 5) -> dict[str, torch.Tensor]:
@@ -107,47 +113,81 @@ def _hf_parity(rank, world, packed):
     return float((_gather_seq(logits.detach()) - ref_logits.detach()).abs().max())
 
 
-def _train_reference(rows) -> tuple[list[float], list[float]]:
-    model = _decoder(kv_heads=2)
+def _build_context(rank, world, **config) -> TrainContext:
+    """What the backend's setup_worker builds, without Ray: one node."""
+    settings = FSDPSettings(use_fsdp=True, use_mixed_precision=False, **config)
+    topology = topology_from_node_counts([world])
+    layout = resolve_layout(settings, topology)
+    mesh = build_device_mesh(layout, "cpu")
+    cpu = torch.device("cpu")
+    strategy = build_strategy(settings, device=cpu, local_rank=rank, mesh=mesh)
+    return TrainContext(settings, strategy, mesh, layout, topology, cpu, rank)
+
+
+def _forward(model, batch):
+    if isinstance(model, Transformer):
+        return model(batch["input_ids"], batch["position_ids"])
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+
+
+def _train(model, rows, ctx: TrainContext | None = None) -> tuple[list[float], list[float]]:
+    """3 AdamW steps with the token-sum loss over the global token count:
+    each step's global loss and pre-clip grad norm. ``ctx=None``: one process."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    labels = shift_labels(rows["labels"], rows["position_ids"])
+    if ctx is None:
+        batch = shard_sequence(rows, 0, 1)
+        count = (batch["labels"] != -100).sum()
+    else:
+        per = rows["input_ids"].shape[0] // ctx.dp_size
+        mine = {k: v[ctx.dp_rank * per : (ctx.dp_rank + 1) * per] for k, v in rows.items()}
+        batch = ctx.shard_sequence(mine)
+        count = ctx.global_token_count(batch["labels"])
     losses, norms = [], []
     for _ in range(STEPS):
-        logits = model(rows["input_ids"], rows["position_ids"])
-        loss = _token_loss(logits, labels, (labels != -100).sum())
+        loss = _token_loss(_forward(model, batch), batch["labels"], count)
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, norms
-
-
-def _train_fsdp_cp(rank, world, rows) -> tuple[list[float], list[float]]:
-    """FSDP2 over the cp ranks (the dp_shard x cp mesh with dp 1), Ulysses,
-    gradients summed: each step's global loss and pre-clip norm."""
-    from ray_fsdp_backend.config import FSDPSettings
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
-    model = apply_context_parallel(_decoder(kv_heads=2), dist.group.WORLD)
-    policy = resolve_fsdp_policy(FSDPSettings(use_mixed_precision=False), torch.device("cpu"))
-    model = apply_fsdp(model, list(model.layers), mesh, policy)
-    apply_gradient_sum(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    shard = shard_sequence(rows, rank, world)
-    count = global_token_count(shard["labels"], dist.group.WORLD)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        logits = model(shard["input_ids"], shard["position_ids"])
-        loss = _token_loss(logits, shard["labels"], count)
-        loss.backward()
-        norms.append(float(clip_grad_norm_(model.parameters(), 1.0).total_norm))
+        if ctx is None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        else:
+            norms.append(float(ctx.clip_grad_norm(model, 1.0, optimizer=opt)))
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        if ctx is not None:
+            dist.all_reduce(total)
         losses.append(float(total))
     return losses, norms
+
+
+def _pretrained_llama(path: str, ctx: TrainContext | None):
+    from transformers import AutoModelForCausalLM
+
+    if ctx is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.config.use_cache = False  # packed rows: per-document masks
+        return model
+    model = ctx.wrap(build_causal_lm(path))
+    ctx.load_pretrained(model, path)
+    return model
+
+
+def _checks_dp2_cp2(rank, world, pretrained: str):
+    """dp_shard 2 x cp 2 through the real context: the decoder (packed and
+    unpacked rows) and a transformers Llama after load_pretrained (packed)."""
+    from tests.hf_models import VOCAB
+
+    ctx = _build_context(rank, world, context_parallel_size=2)
+    assert (ctx.dp_size, ctx.cp_size) == (2, 2)
+    results = {}
+    for packed in (False, True):
+        rows = _rows(packed)
+        reference = _train(_decoder(kv_heads=2), rows)
+        model = ctx.wrap(_decoder(kv_heads=2))  # the reference's weights, then sharded
+        results[("decoder", packed)] = (reference, _train(model, rows, ctx))
+    rows = _rows(packed=True, vocab=VOCAB)
+    reference = _train(_pretrained_llama(pretrained, None), rows)
+    results["llama"] = (reference, _train(_pretrained_llama(pretrained, ctx), rows, ctx))
+    return results
 
 
 def _saved_bytes(model, *inputs) -> int:
@@ -185,9 +225,6 @@ def _all_checks(rank, world):
             results[("decoder", kv_heads, packed)] = _decoder_parity(rank, world, kv_heads, packed)
     for packed in (False, True):
         results[("hf", packed)] = _hf_parity(rank, world, packed)
-    for packed in (False, True):
-        rows = _rows(packed)
-        results[("train", packed)] = (_train_reference(rows), _train_fsdp_cp(rank, world, rows))
     results["activations"] = _activation_ratio(rank, world)
     return results
 
@@ -196,6 +233,15 @@ def _all_checks(rank, world):
 def results():
     pytest.importorskip("transformers")
     return run_ranks(_all_checks, 2)
+
+
+@pytest.fixture(scope="module")
+def results_dp2_cp2(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tests.hf_models import save_tiny_pretrained
+
+    path = save_tiny_pretrained("llama", tmp_path_factory.mktemp("llama"))
+    return run_ranks(_checks_dp2_cp2, 4, path)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
@@ -211,9 +257,9 @@ def test_ulysses_transformers_llama_matches_one_process(results, packed):
     assert results[("hf", packed)] < 1e-5
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fsdp_over_cp_trains_like_one_process(results, packed):
-    (ref_losses, ref_norms), (losses, norms) = results[("train", packed)]
+@pytest.mark.parametrize("case", [("decoder", False), ("decoder", True), "llama"])
+def test_dp2_cp2_trains_like_one_process(results_dp2_cp2, case):
+    (ref_losses, ref_norms), (losses, norms) = results_dp2_cp2[case]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     assert ref_losses[-1] < ref_losses[0]  # it trains: the comparison is not of constants

@@ -105,3 +105,58 @@ def test_packed_transformers_rows_equal_documents_one_by_one_after_cache_off():
         packed = run(rows["input_ids"], position_ids=rows["position_ids"])
     assert float((trapped - alone).abs().max()) > 1e-2  # the trap is real here
     assert float((packed - alone).abs().max()) < 1e-5
+
+
+def test_config_refuses_bad_context_parallel_layouts_by_key():
+    from ray_fsdp_backend.config import FSDPSettings
+
+    with pytest.raises(ValueError, match="context_parallel_size=2 needs use_fsdp"):
+        FSDPSettings(context_parallel_size=2)  # DDP
+    with pytest.raises(ValueError, match="context_parallel_size=2 with use_dmuon"):
+        FSDPSettings(use_fsdp=True, use_dmuon=True, context_parallel_size=2)
+    with pytest.raises(ValueError, match="context_parallel_backend='ringg' is not one of"):
+        FSDPSettings(use_fsdp=True, context_parallel_size=2, context_parallel_backend="ringg")
+    with pytest.raises(ValueError, match="context_parallel_size=0 must be a positive int"):
+        FSDPSettings(use_fsdp=True, context_parallel_size=0)
+    ring = FSDPSettings(use_fsdp=True, context_parallel_size=2, context_parallel_backend="ring")
+    with pytest.raises(ValueError, match="context_parallel_backend=ring needs CUDA"):
+        ring.check_cp_device("cpu")
+    ring.check_cp_device("cuda")
+
+
+def test_resolve_cp_backend():
+    from ray_fsdp_backend.config import FSDPSettings
+
+    auto = FSDPSettings(use_fsdp=True, context_parallel_size=4)
+    assert auto.resolve_cp_backend(8, "cpu") == "ulysses"
+    assert auto.resolve_cp_backend(6, "cuda") == "ring"  # 6 heads do not split over 4
+    with pytest.raises(ValueError, match="ring needs CUDA workers \\(6 heads per tp rank"):
+        auto.resolve_cp_backend(6, "cpu")
+    ulysses = FSDPSettings(
+        use_fsdp=True, context_parallel_size=4, context_parallel_backend="ulysses"
+    )
+    with pytest.raises(ValueError, match="12 heads / tensor_parallel_size=2 = 6 per tp rank"):
+        FSDPSettings(
+            use_fsdp=True,
+            context_parallel_size=4,
+            tensor_parallel_size=2,
+            context_parallel_backend="ulysses",
+        ).resolve_cp_backend(12, "cuda")
+    assert ulysses.resolve_cp_backend(8, "cpu") == "ulysses"
+
+
+def test_mesh_layout_puts_cp_inside_dp_shard_and_outside_tp():
+    from ray_fsdp_backend.config import FSDPSettings
+    from ray_fsdp_backend.mesh import resolve_layout
+    from ray_fsdp_backend.topology import topology_from_node_counts
+
+    config = FSDPSettings(use_fsdp=True, context_parallel_size=2)
+    layout = resolve_layout(config, topology_from_node_counts([4]))
+    assert layout.axis_names == ("dp_shard", "cp") and layout.shape == (2, 2)
+    assert layout.groups("cp") == ((0, 1), (2, 3))  # neighbouring ranks split a sequence
+    assert layout.data_parallel_coordinates(1) == (0, 2)  # a cp group reads one batch
+    assert layout.data_parallel_coordinates(2) == (1, 2)
+    with pytest.raises(ValueError, match="context_parallel_size=4 needs groups of 4 ranks"):
+        resolve_layout(
+            FSDPSettings(use_fsdp=True, context_parallel_size=4), topology_from_node_counts([2, 2])
+        )
