@@ -10,9 +10,9 @@ For one FSDP2 model with AdamW state, at each world size:
   bytes read by all ranks together, counted by ``tests.counting_fs``;
 - **stall**: training time lost to one checkpoint, ``steps`` training steps
   with a checkpoint at the first minus the same steps without; synchronous
-  ``save_sharded`` vs ``start_async_save`` (its write overlaps the steps;
+  ``save_sharded`` vs ``AsyncCheckpointer.start`` (its write overlaps the steps;
   the wait for it at the end is counted);
-- **staged**: how long ``start_async_save`` blocks the step that saves
+- **staged**: how long ``AsyncCheckpointer.start`` blocks the step that saves
   (copying the state to host memory): the stall where the background write
   has a core of its own (GPU training leaves the host's cores idle).
 
@@ -91,13 +91,15 @@ def _one_store(store: CheckpointStore, model, opt, step, *, reps: int, steps: in
     times = {k: [] for k in keys}
     staged = times["staged"]  # appended to by the async runs
     reads = {}
+    saver = sharded.AsyncCheckpointer()
     for rep in range(reps):
         name = _save_restore(store, model, opt, rep, times, reads)
         times["plain"].append(_timed(lambda: [step() for _ in range(steps)]))
-        times["sync"].append(_timed(lambda: _steps_with(store, model, opt, step, steps, False)))
+        times["sync"].append(_timed(lambda: _steps_with(store, model, opt, step, steps, None)))
         times["async"].append(
-            _timed(lambda: staged.append(_steps_with(store, model, opt, step, steps, True)))
+            _timed(lambda: staged.append(_steps_with(store, model, opt, step, steps, saver)))
         )
+    saver.close()
     med = {k: statistics.median(_measure.max_over_ranks(v)) for k, v in times.items()}
     size = counting_fs.tree_size(store.fs, store.path(name))
     return {
@@ -128,19 +130,20 @@ def _save_restore(store, model, opt, rep: int, times: dict, reads: dict) -> str:
     return name
 
 
-def _steps_with(store, model, opt, step, steps: int, async_save: bool) -> float:
-    """``steps`` steps with a save after the first; returns how long the save
+def _steps_with(store, model, opt, step, steps: int, saver) -> float:
+    """``steps`` steps with a save after the first, in the background when
+    ``saver`` (an ``AsyncCheckpointer``) is given; returns how long the save
     blocked this rank (for an async save: until the state was staged)."""
     step()
     start = time.perf_counter()
-    if async_save:
-        pending = sharded.start_async_save(store, model, opt, extra_state={"step": 0})
+    if saver is not None:
+        pending = saver.start(store, model, opt, extra_state={"step": 0})
     else:
         sharded.save_sharded(store, model, opt, extra_state={"step": 0})
     blocked = time.perf_counter() - start
     for _ in range(steps - 1):
         step()
-    if async_save:
+    if saver is not None:
         pending.wait()
     return blocked
 

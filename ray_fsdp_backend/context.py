@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,9 @@ from ray_fsdp_backend.context_parallel.apply import global_token_count
 from ray_fsdp_backend.context_parallel.sequence import shard_sequence
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.topology import CP_AXIS, TP_AXIS, MeshLayout, Topology
+
+if TYPE_CHECKING:
+    from ray_fsdp_backend.checkpoint.ray_run import RunCheckpoints
 
 _CONTEXT: TrainContext | None = None
 
@@ -31,6 +35,9 @@ class TrainContext:
     topology: Topology
     device: torch.device
     world_rank: int
+    _checkpoints: RunCheckpoints | None = field(default=None, init=False, repr=False)
+    """The run's checkpoint state (the save in flight, what Ray registered),
+    created on the first save or restore; ``close`` drops it."""
 
     @property
     def world_size(self) -> int:
@@ -170,10 +177,7 @@ class TrainContext:
         once the state is copied to host memory and the write overlaps the
         next steps (one save in flight; the checkpoint is committed and
         registered only when every rank's files are written)."""
-        # Imported on use: torch.distributed.checkpoint adds ~0.2 s to every worker's start.
-        from ray_fsdp_backend.checkpoint import save_checkpoint
-
-        save_checkpoint(
+        self.checkpoints.save(
             model,
             optimizer,
             metrics,
@@ -195,9 +199,25 @@ class TrainContext:
         is nothing to resume. Without a checkpoint of its own the run loads
         ``checkpoint`` (a ``ray.train.Checkpoint``, e.g. another run's) or the
         one Ray hands it. Every rank calls it."""
-        from ray_fsdp_backend.checkpoint import restore_checkpoint
+        return self.checkpoints.restore(model, optimizer, checkpoint=checkpoint)
 
-        return restore_checkpoint(model, optimizer, checkpoint=checkpoint)
+    @property
+    def checkpoints(self) -> RunCheckpoints:
+        """This worker's :class:`~ray_fsdp_backend.checkpoint.RunCheckpoints`
+        for the run, created on first use."""
+        if self._checkpoints is None:
+            # Imported on use: torch.distributed.checkpoint adds ~0.2 s to every worker's start.
+            from ray_fsdp_backend.checkpoint import RunCheckpoints
+
+            self._checkpoints = RunCheckpoints()
+        return self._checkpoints
+
+    def close(self) -> None:
+        """Drop the run's state (checkpoints and their async-save group);
+        teardown calls it before destroying the process group."""
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+            self._checkpoints = None
 
     def export_model(
         self,
@@ -242,6 +262,9 @@ def get_context() -> TrainContext:
 
 
 def set_context(context: TrainContext | None) -> None:
-    """Install (or with None, clear) this process's context; backend use only."""
+    """Install (or with None, clear) this process's context, closing the one
+    it replaces (teardown clears it); backend use only."""
     global _CONTEXT
+    if _CONTEXT is not None and _CONTEXT is not context:
+        _CONTEXT.close()
     _CONTEXT = context

@@ -6,15 +6,18 @@ Hugging Face weights, both ways, live in :mod:`ray_fsdp_backend.hf`.
   key/shape mismatches.
 - :mod:`.store`: the filesystem a run's checkpoints live on.
 - :mod:`.sharded`: DCP save/load of model, optimizer and extra state in any
-  ``torch.distributed`` job.
+  ``torch.distributed`` job; :class:`AsyncCheckpointer` saves in the
+  background on a process group it owns.
 - :mod:`.ray_run`: the same inside a Ray Train run (report, restore after a
-  restart).
+  restart); :class:`RunCheckpoints` holds one worker's state of the run.
 
-``TrainContext.save_checkpoint`` / ``restore_checkpoint`` delegate here.
+``TrainContext.save_checkpoint`` / ``restore_checkpoint`` delegate to the
+context's ``RunCheckpoints``, created on first use and closed at teardown.
 """
 
-from ray_fsdp_backend.checkpoint.ray_run import restore_checkpoint, save_checkpoint
+from ray_fsdp_backend.checkpoint.ray_run import RunCheckpoints
 from ray_fsdp_backend.checkpoint.sharded import (
+    AsyncCheckpointer,
     CheckpointMismatchError,
     find_latest,
     load_sharded,
@@ -23,11 +26,11 @@ from ray_fsdp_backend.checkpoint.sharded import (
 from ray_fsdp_backend.checkpoint.store import CheckpointStore
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointMismatchError",
     "CheckpointStore",
+    "RunCheckpoints",
     "find_latest",
     "load_sharded",
-    "restore_checkpoint",
-    "save_checkpoint",
     "save_sharded",
 ]

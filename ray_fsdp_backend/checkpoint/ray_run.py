@@ -56,13 +56,13 @@ from ray_fsdp_backend.checkpoint.layout import (
     names_in,
 )
 from ray_fsdp_backend.checkpoint.sharded import (
+    AsyncCheckpointer,
     CheckpointStorageError,
     PendingSave,
     broadcast_from_rank0,
     load_sharded,
     naming_store,
     save_sharded,
-    start_async_save,
 )
 from ray_fsdp_backend.checkpoint.store import CheckpointStore
 from ray_fsdp_backend.retrying_fs import unwrap
@@ -71,13 +71,6 @@ _logger = logging.getLogger(__name__)
 
 # Ray Train 2.60 writes its registered checkpoints here, under the run's directory.
 _RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
-# The asynchronous save in flight in this worker (at most one).
-_PENDING: PendingSave | None = None
-# Checkpoints this worker ever saw in Ray's snapshot (registered with Ray).
-_SEEN_BY_RAY: set[str] = set()
-# Whether this worker process started a save (then a restore is not the
-# start of a worker group, and its reports may still be pending).
-_SAVED = False
 
 
 def run_store() -> CheckpointStore:
@@ -92,50 +85,133 @@ def handed_store(checkpoint: ray.train.Checkpoint) -> tuple[CheckpointStore, str
     return CheckpointStore.retrying(checkpoint.filesystem, str(path.parent)), path.name
 
 
-def save_checkpoint(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    metrics: Mapping[str, Any],
-    *,
-    extra_state: Mapping[str, Any] | None = None,
-    strategy: str = "",
-    async_save: bool = False,
-) -> None:
-    """Write a sharded checkpoint into the run's storage, commit it, then
-    report it with ``metrics`` from every rank (see the module docstring).
+class RunCheckpoints:
+    """One worker's checkpoints of one Ray Train run, and the state that
+    outlives a call: the asynchronous save in flight (at most one), the
+    checkpoints Ray ever listed as registered, and whether this worker
+    saved (then a restore is not the start of a worker group, and its
+    reports may still be pending). The ``TrainContext`` creates it on the
+    first save or restore and closes it at teardown.
+    """
 
-    With ``async_save`` it returns once the state is staged in host memory;
-    the write, the commit and Ray's registration follow in the background.
-    Either way it first waits for the save in flight, if any."""
-    global _PENDING, _SAVED
-    store = run_store()
-    wait_for_pending_save()
-    _SAVED = True
-    if not async_save:
-        name = save_sharded(
-            store, model, optimizer, extra_state=extra_state, strategy=strategy, on_commit=retain
-        )
-        _report(metrics, store, name, ray.train.CheckpointUploadMode.NO_UPLOAD)
-        return
-    _PENDING = start_async_save(
-        store, model, optimizer, extra_state=extra_state, strategy=strategy, on_commit=retain
-    )
-    pending = _PENDING
+    def __init__(self) -> None:
+        self._async = AsyncCheckpointer()
+        self._pending: PendingSave | None = None
+        self._seen_by_ray: set[str] = set()
+        self._saved = False
 
-    def upload(checkpoint: ray.train.Checkpoint, _dir_name: str) -> ray.train.Checkpoint:
-        pending.wait()
-        return checkpoint
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        metrics: Mapping[str, Any],
+        *,
+        extra_state: Mapping[str, Any] | None = None,
+        strategy: str = "",
+        async_save: bool = False,
+    ) -> None:
+        """Write a sharded checkpoint into the run's storage, commit it, then
+        report it with ``metrics`` from every rank (see the module docstring).
 
-    _report(metrics, store, pending.name, ray.train.CheckpointUploadMode.ASYNC, upload=upload)
+        With ``async_save`` it returns once the state is staged in host memory;
+        the write, the commit and Ray's registration follow in the background.
+        Either way it first waits for the save in flight, if any."""
+        store = run_store()
+        self.wait_for_pending_save()
+        self._saved = True
+        kwargs = dict(extra_state=extra_state, strategy=strategy, on_commit=self.retain)
+        if not async_save:
+            name = save_sharded(store, model, optimizer, **kwargs)
+            _report(metrics, store, name, ray.train.CheckpointUploadMode.NO_UPLOAD)
+            return
+        pending = self._pending = self._async.start(store, model, optimizer, **kwargs)
 
+        def upload(checkpoint: ray.train.Checkpoint, _dir_name: str) -> ray.train.Checkpoint:
+            pending.wait()
+            return checkpoint
 
-def wait_for_pending_save() -> None:
-    """Wait for this worker's asynchronous save in flight (and commit it on
-    rank 0); raises what its background write raised."""
-    global _PENDING
-    pending, _PENDING = _PENDING, None
-    if pending is not None:
-        pending.wait()
+        _report(metrics, store, pending.name, ray.train.CheckpointUploadMode.ASYNC, upload=upload)
+
+    def wait_for_pending_save(self) -> None:
+        """Wait for this worker's asynchronous save in flight (and commit it on
+        rank 0); raises what its background write raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def close(self) -> None:
+        """Drop the run's state and the async-save group (teardown: Ray's
+        upload thread has waited for the save in flight, if any). Local."""
+        self._pending = None
+        self._async.close()
+
+    def retain(self, store: CheckpointStore, name: str) -> None:
+        """Rank 0 after committing ``name``: delete complete checkpoints Ray never
+        registered beyond the newest ``num_to_keep`` (see the module docstring)."""
+        self._delete_unregistered(store, store.read_markers(), compute_retention_deletions)
+
+    def clear_dead_checkpoints(
+        self, store: CheckpointStore, markers: Mapping[str, str | None]
+    ) -> None:
+        """Rank 0 when a worker group starts, with the store's ``markers`` it
+        just read: delete what Ray will never register beyond the newest
+        ``num_to_keep`` complete checkpoints, and the half-written ones (see
+        the module docstring)."""
+        self._delete_unregistered(store, markers, compute_restart_deletions)
+
+    def _delete_unregistered(
+        self, store: CheckpointStore, markers: Mapping[str, str | None], choose_deletions
+    ) -> None:
+        # Ray 2.60 exposes the run config to workers only through its internal context.
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        keep = get_train_context().train_run_context.run_config.checkpoint_config.num_to_keep
+        # Ray writes its snapshot before deleting the checkpoints it drops: one it
+        # is dropping right now is in no snapshot any more, and deleting it too
+        # would make Ray's own delete fail. Anything Ray ever listed stays Ray's.
+        self._seen_by_ray.update(names_in(store.read_text(_RAY_SNAPSHOT)))
+        for orphan in choose_deletions(markers, self._seen_by_ray, keep):
+            _logger.info("ray_fsdp_backend: deleting unregistered checkpoint %s", orphan)
+            store.delete(orphan)
+
+    def restore(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        checkpoint: ray.train.Checkpoint | None = None,
+    ) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint of the run into ``model`` and
+        ``optimizer``; without one, ``checkpoint`` (e.g. another run's, to
+        fine-tune from: Train V2 dropped ``resume_from_checkpoint``) or else the
+        one ``ray.train.get_checkpoint()`` hands. Returns this rank's extra state,
+        or None when there is nothing to resume. Rank 0 chooses, so every rank
+        loads the same checkpoint. Collective."""
+        handed = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
+        store = run_store()
+
+        def choose():
+            with naming_store(store, "(newest complete)", "listing"):
+                markers = store.read_markers()
+            handed_marker = None if handed is None else _marker_of(handed)
+            choice = choose_resume(markers, handed_marker, handed is not None)
+            if not self._saved:
+                try:
+                    with naming_store(store, "(unregistered)", "clearing"):
+                        self.clear_dead_checkpoints(store, markers)
+                except CheckpointStorageError as exc:  # housekeeping: never stops a resume
+                    _logger.warning("ray_fsdp_backend: %s", exc)
+            return choice
+
+        choice = broadcast_from_rank0(choose)
+        if choice is None:
+            return None
+        if choice.handed:
+            store, name = handed_store(handed)
+        else:
+            name = choice.name
+        _log_choice(store, name, handed)
+        return load_sharded(store, name, model, optimizer)
 
 
 def _report(metrics, store: CheckpointStore, name: str, mode, upload=None) -> None:
@@ -149,75 +225,6 @@ def _report(metrics, store: CheckpointStore, name: str, mode, upload=None) -> No
         delete_local_checkpoint_after_upload=False,
         **extra,
     )
-
-
-def retain(store: CheckpointStore, name: str) -> None:
-    """Rank 0 after committing ``name``: delete complete checkpoints Ray never
-    registered beyond the newest ``num_to_keep`` (see the module docstring)."""
-    _delete_unregistered(store, store.read_markers(), compute_retention_deletions)
-
-
-def clear_dead_checkpoints(store: CheckpointStore, markers: Mapping[str, str | None]) -> None:
-    """Rank 0 when a worker group starts, with the store's ``markers`` it just
-    read: delete what Ray will never register beyond the newest
-    ``num_to_keep`` complete checkpoints, and the half-written ones (see the
-    module docstring)."""
-    _delete_unregistered(store, markers, compute_restart_deletions)
-
-
-def _delete_unregistered(
-    store: CheckpointStore, markers: Mapping[str, str | None], choose_deletions
-) -> None:
-    # Ray 2.60 exposes the run config to workers only through its internal context.
-    from ray.train.v2._internal.execution.context import get_train_context
-
-    keep = get_train_context().train_run_context.run_config.checkpoint_config.num_to_keep
-    # Ray writes its snapshot before deleting the checkpoints it drops: one it
-    # is dropping right now is in no snapshot any more, and deleting it too
-    # would make Ray's own delete fail. Anything Ray ever listed stays Ray's.
-    _SEEN_BY_RAY.update(names_in(store.read_text(_RAY_SNAPSHOT)))
-    for orphan in choose_deletions(markers, _SEEN_BY_RAY, keep):
-        _logger.info("ray_fsdp_backend: deleting unregistered checkpoint %s", orphan)
-        store.delete(orphan)
-
-
-def restore_checkpoint(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    checkpoint: ray.train.Checkpoint | None = None,
-) -> dict[str, Any] | None:
-    """Load the newest complete checkpoint of the run into ``model`` and
-    ``optimizer``; without one, ``checkpoint`` (e.g. another run's, to
-    fine-tune from: Train V2 dropped ``resume_from_checkpoint``) or else the
-    one ``ray.train.get_checkpoint()`` hands. Returns this rank's extra state,
-    or None when there is nothing to resume. Rank 0 chooses, so every rank
-    loads the same checkpoint. Collective."""
-    handed = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
-    store = run_store()
-
-    def choose():
-        with naming_store(store, "(newest complete)", "listing"):
-            markers = store.read_markers()
-        handed_marker = None if handed is None else _marker_of(handed)
-        choice = choose_resume(markers, handed_marker, handed is not None)
-        if not _SAVED:
-            try:
-                with naming_store(store, "(unregistered)", "clearing"):
-                    clear_dead_checkpoints(store, markers)
-            except CheckpointStorageError as exc:  # housekeeping: never stops a resume
-                _logger.warning("ray_fsdp_backend: %s", exc)
-        return choice
-
-    choice = broadcast_from_rank0(choose)
-    if choice is None:
-        return None
-    if choice.handed:
-        store, name = handed_store(handed)
-    else:
-        name = choice.name
-    _log_choice(store, name, handed)
-    return load_sharded(store, name, model, optimizer)
 
 
 def _marker_of(checkpoint: ray.train.Checkpoint) -> str | None:

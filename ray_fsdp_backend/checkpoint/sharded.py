@@ -8,9 +8,9 @@ step, data position, scheduler state). Rank 0 commits the checkpoint with a
 ``COMPLETE`` marker only after every rank finished writing.
 
 Files go straight to the store (:mod:`.store`): each rank writes and reads
-only its own files and byte ranges. ``start_async_save`` stages the state in
-host memory and writes it in a background thread (``dcp.async_save`` on a
-gloo group of its own); its :class:`PendingSave` commits the checkpoint once
+only its own files and byte ranges. :class:`AsyncCheckpointer` stages the
+state in host memory and writes it in a background thread (``dcp.async_save``
+on a gloo group it owns); its :class:`PendingSave` commits the checkpoint once
 every rank's files are durable.
 """
 
@@ -149,7 +149,7 @@ def _commit(store, name, extra_state, strategy, on_commit) -> None:
 
 
 class PendingSave:
-    """A checkpoint being written in the background (see ``start_async_save``)."""
+    """A checkpoint being written in the background (see :class:`AsyncCheckpointer`)."""
 
     def __init__(self, store: CheckpointStore, name: str, future: Future, commit: Callable):
         self.store, self.name = store, name
@@ -174,34 +174,63 @@ class PendingSave:
         return self.name
 
 
-_ASYNC_GROUP = None
+class AsyncCheckpointer:
+    """Writes checkpoints in the background (``dcp.async_save``) on a gloo
+    process group of its own, which it owns.
 
+    ``dcp.async_save`` needs a CPU group, and one apart from training's keeps
+    the background write's collectives off the training ones. The group
+    belongs to the default process group it was created under: after
+    ``destroy_process_group`` and a new ``init_process_group`` (a notebook
+    or a torchrun script that re-initialises), ``start`` creates a new one
+    instead of using a destroyed group. Call ``close`` when done (after
+    waiting for the last ``PendingSave``).
+    """
 
-def start_async_save(
-    store: CheckpointStore,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    extra_state: Mapping[str, Any] | None = None,
-    strategy: str = "",
-    on_commit: Callable[[CheckpointStore, str], None] | None = None,
-) -> PendingSave:
-    """Stage model and optimizer state in host memory and write the new
-    checkpoint in a background thread (``dcp.async_save``); returns when the
-    state is staged. The caller waits for the previous ``PendingSave``
-    first: one save in flight. Collective."""
-    global _ASYNC_GROUP
-    if _ASYNC_GROUP is None:  # async_save needs a CPU group; its own keeps it off training's
-        _ASYNC_GROUP = dist.new_group(backend="gloo")
-    name = _begin_save(store, extra_state, model)
-    future = dcp.async_save(
-        _state_to_save(model, optimizer),
-        storage_writer=dcp_writer(store, name),
-        process_group=_ASYNC_GROUP,
-    )
-    return PendingSave(
-        store, name, future, lambda: _commit(store, name, extra_state, strategy, on_commit)
-    )
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+        self._world: dist.ProcessGroup | None = None  # the default group _group belongs to
+
+    def start(
+        self,
+        store: CheckpointStore,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        extra_state: Mapping[str, Any] | None = None,
+        strategy: str = "",
+        on_commit: Callable[[CheckpointStore, str], None] | None = None,
+    ) -> PendingSave:
+        """Stage model and optimizer state in host memory and write the new
+        checkpoint in a background thread; returns when the state is staged.
+        The caller waits for the previous ``PendingSave`` first: one save in
+        flight. Collective."""
+        group = self._process_group()
+        name = _begin_save(store, extra_state, model)
+        future = dcp.async_save(
+            _state_to_save(model, optimizer),
+            storage_writer=dcp_writer(store, name),
+            process_group=group,
+        )
+        return PendingSave(
+            store, name, future, lambda: _commit(store, name, extra_state, strategy, on_commit)
+        )
+
+    def close(self) -> None:
+        """Destroy the group (when its default group is still the current
+        one: destroying that destroys it too). Local; idempotent."""
+        if self._group is not None and self._world is dist.group.WORLD:
+            dist.destroy_process_group(self._group)
+        self._group = self._world = None
+
+    def _process_group(self) -> dist.ProcessGroup:
+        """This checkpointer's gloo group under the current default group,
+        created on first use and again after the default group was replaced
+        (collective then)."""
+        world = dist.group.WORLD
+        if self._group is None or self._world is not world:
+            self._group, self._world = dist.new_group(backend="gloo"), world
+        return self._group
 
 
 def commit_checkpoint(store: CheckpointStore, name: str, marker: str) -> None:

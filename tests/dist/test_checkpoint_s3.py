@@ -18,7 +18,7 @@ from ray_fsdp_backend.checkpoint import (
     sharded,
 )
 from ray_fsdp_backend.checkpoint import store as store_mod
-from ray_fsdp_backend.checkpoint.sharded import CheckpointStorageError, start_async_save
+from ray_fsdp_backend.checkpoint.sharded import AsyncCheckpointer, CheckpointStorageError
 from tests import counting_fs
 from tests.dist.test_checkpoint import FSDP, _assert_states_equal, _full_state, _step, _wrap
 from tests.dist.test_dmuon import (  # noqa: F401  (reference is a fixture)
@@ -57,19 +57,21 @@ def _save_restore_four(rank, world_size, s3, root):
     # Async: state staged at save time, training moves on before the write ends.
     _step(model, opt, rank, world_size)
     staged = _full_state(model, opt)
-    pending = start_async_save(store, model, opt, extra_state={"step": 2})
+    saver = AsyncCheckpointer()
+    pending = saver.start(store, model, opt, extra_state={"step": 2})
     _step(model, opt, rank, world_size)
     async_name = pending.wait()
     # A background write that fails: no marker, an error naming the store.
     writer = store_mod.dcp_writer
     sharded.dcp_writer = lambda *a: _failing(writer(*a), rank)
-    pending = start_async_save(store, model, opt, extra_state={"step": 3})
+    pending = saver.start(store, model, opt, extra_state={"step": 3})
     try:
         pending.wait()
         error = None
     except CheckpointStorageError as exc:
         error = str(exc)
     sharded.dcp_writer = writer
+    saver.close()
     latest = find_latest(CheckpointStore(s3, root))
     return read, saved, staged, async_name, error, latest
 

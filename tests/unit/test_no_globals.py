@@ -1,0 +1,46 @@
+"""Run state lives in objects with an owner, not in module globals.
+
+The only ``global`` statement in the package is the holder of
+``get_context()``'s context: per-run state (the async save in flight, the
+async-save process group, what Ray registered) belongs to the
+``TrainContext`` or to an object it holds, created with the process group
+and dropped at teardown, so that a re-initialised process starts clean.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ray_fsdp_backend
+
+ROOT = Path(ray_fsdp_backend.__file__).parent
+ALLOWED = {("context.py", "set_context", "_CONTEXT")}
+
+
+def global_statements(root: Path = ROOT) -> set[tuple[str, str, str]]:
+    """``(module path, innermost enclosing function, name)`` of every
+    ``global`` statement under ``root``."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        stack = [(ast.parse(path.read_text(), str(path)), "<module>")]
+        while stack:
+            node, func = stack.pop()
+            if isinstance(node, ast.Global):
+                found.update((rel, func, name) for name in node.names)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                func = node.name
+            stack += [(child, func) for child in ast.iter_child_nodes(node)]
+    return found
+
+
+def test_only_the_context_holder_uses_global():
+    assert global_statements() == ALLOWED
+
+
+def test_the_scan_finds_global_in_nested_functions_and_methods(tmp_path):
+    (tmp_path / "mod.py").write_text(
+        "class A:\n    def m(self):\n        def inner():\n            global X, Y\n"
+    )
+    assert global_statements(tmp_path) == {("mod.py", "inner", "X"), ("mod.py", "inner", "Y")}
