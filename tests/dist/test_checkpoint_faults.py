@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ray_fsdp_backend import retry
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
-from ray_fsdp_backend.checkpoint.sharded import CheckpointStorageError, start_async_save
+from ray_fsdp_backend.checkpoint.sharded import AsyncCheckpointer, CheckpointStorageError
 from ray_fsdp_backend.retry import RetryPolicy
 from ray_fsdp_backend.retrying_fs import with_retries
 from tests.dist.test_checkpoint import FSDP, _assert_states_equal, _full_state, _step, _wrap
@@ -70,6 +70,7 @@ def _scenarios(rank, world_size, s3, root, endpoint):
     phases = _Phases(endpoint)
     store = CheckpointStore(with_retries(s3, RetryPolicy(budget_s=60)), root)
     model, opt = _wrap(FSDP, rank, **MODEL)
+    saver = AsyncCheckpointer()
     saved = {}
 
     def save(step):
@@ -80,7 +81,7 @@ def _scenarios(rank, world_size, s3, root, endpoint):
     def async_save(step):
         _step(model, opt, rank, world_size)
         saved[step] = _full_state(model, opt)
-        pending = start_async_save(store, model, opt, extra_state={"step": step})
+        pending = saver.start(store, model, opt, extra_state={"step": step})
         _step(model, opt, rank, world_size)  # training moves on during the write
         return pending.wait()
 
@@ -115,6 +116,7 @@ def _scenarios(rank, world_size, s3, root, endpoint):
     phases.run("403", lambda f: f.deny(), lambda: save(6))
     missing = CheckpointStore(with_retries(s3, RetryPolicy(budget_s=60)), "no-such-bucket-28/run")
     phases.run("missing bucket", lambda f: None, lambda: save_sharded(missing, model, opt))
+    saver.close()
     retries = [retry.STATS.snapshot()]
     everyone = [None] * world_size
     dist.all_gather_object(everyone, retries)
