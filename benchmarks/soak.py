@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 
 MIB = 1024 * 1024
 MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
@@ -90,6 +91,7 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
         fs.create_dir(BUCKET)
         ray.init(address="local", num_cpus=workers + 1, include_dashboard=True,
                  log_to_driver=False, runtime_env={"env_vars": {"TMPDIR": tmp}})  # fmt: skip
+        start = time.monotonic()
         try:
             result = TorchTrainer(
                 train_soak,
@@ -103,10 +105,14 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
         finally:
             ray.shutdown()
             proxy.close()
-        checkpoints = CheckpointStore(fs, f"{BUCKET}/runs/soak").list_checkpoints()
+        seconds = time.monotonic() - start
+        direct = S3Server(s3.port).filesystem()
+        checkpoints = CheckpointStore(direct, f"{BUCKET}/runs/soak").list_checkpoints()
         leftovers = os.listdir(tmp)
-    return summarize(result.return_value, steps=steps, keep=keep, checkpoints=checkpoints,
-                     leftovers=leftovers, injected=dict(proxy.injected))  # fmt: skip
+    out = summarize(result.return_value, steps=steps, keep=keep, checkpoints=checkpoints,
+                    leftovers=leftovers, injected=dict(proxy.injected))  # fmt: skip
+    settings = dict(steps=steps, every=every, keep=keep, throttle=throttle, workers=workers)
+    return {**out, "fit_s": seconds, "settings": settings}
 
 
 def summarize(workers: list[dict], *, steps, keep, checkpoints, leftovers, injected) -> dict:
@@ -153,8 +159,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--throttle", type=float, default=0.1)
+    parser.add_argument("--out", help="also write the samples and checks here (JSON)")
     args = parser.parse_args(argv)
     out = run(steps=args.steps, every=args.every, keep=args.keep, throttle=args.throttle)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
     for rank, samples in enumerate(out["samples"]):
         print(f"worker {rank}: step rss_mib fds threads")
         for s in samples:

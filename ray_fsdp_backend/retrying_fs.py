@@ -11,8 +11,9 @@ Ray workers get it whole). See :mod:`ray_fsdp_backend.retry` for why this is
 our own layer and not the S3 client's retry strategy.
 
 - Metadata operations (info, listing, create, delete, move) are retried as
-  they are; a delete whose earlier attempt went through before its answer
-  was lost counts a missing path as deleted.
+  they are; a delete or a move (copy + delete on object stores) whose
+  earlier attempt went through before its answer was lost (a client-side
+  timeout, a dropped connection) finds its source gone, and is done.
 - Reads: opening is retried; a failed read closes the underlying file and
   the retry reopens it and reads the same range (``read_at``), so a dropped
   connection in the middle of a ranged read costs that range only.
@@ -126,7 +127,21 @@ class RetryingHandler(pafs.FileSystemHandler):
         self._deleting(lambda: self.fs.delete_file(path), f"deleting {path}")
 
     def move(self, src, dest):
-        self.retry(lambda: self.fs.move(src, dest), f"moving {src} to {dest}")
+        tried = [False]
+
+        def attempt():
+            # On object stores a move is copy, delete, and re-creating the
+            # parent's directory marker: an earlier attempt that failed on a
+            # later step (or lost its answer) may have moved the object.
+            if tried[0] and not self._exists(src) and self._exists(dest):
+                return
+            tried[0] = True
+            self.fs.move(src, dest)
+
+        self.retry(attempt, f"moving {src} to {dest}")
+
+    def _exists(self, path) -> bool:
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
 
     def copy_file(self, src, dest):
         self.retry(lambda: self.fs.copy_file(src, dest), f"copying {src} to {dest}")

@@ -34,8 +34,9 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-CHECKPOINT_OBJECTS = r"/checkpoint_\d+(/|$|%2F)"
-"""Paths of the backend's checkpoint objects (and listings under them)."""
+CHECKPOINT_OBJECTS = r"/checkpoint_\d+/[^/?]+"
+"""Objects inside checkpoint directories (not the directory markers, which
+Ray writes too, nor Ray's run files beside them)."""
 WRITES = ("PUT", "POST")
 READS = ("GET", "HEAD")
 LISTING = r"[?&]list-type=2"

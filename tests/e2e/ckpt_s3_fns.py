@@ -20,6 +20,7 @@ import time
 import torch
 
 import ray_fsdp_backend as rfb
+from ray_fsdp_backend import retry
 from ray_fsdp_backend.checkpoint import sharded
 from ray_fsdp_backend.checkpoint.layout import checkpoint_name, names_in
 from ray_fsdp_backend.checkpoint.ray_run import run_store
@@ -110,4 +111,5 @@ def train_on_store(loop_config: dict) -> dict:
         )
         if _fault(loop_config, attempt, ctx.world_rank, step, "after_save"):
             os._exit(1)
-    return {"params": full_params(model), "attempt": attempt, **record}
+    retries = retry.STATS.snapshot()[0]
+    return {"params": full_params(model), "attempt": attempt, "retries": retries, **record}

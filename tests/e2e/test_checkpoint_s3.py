@@ -1,12 +1,16 @@
 """Checkpoints on a real S3 API (moto server on loopback, passed to Ray as
 ``RunConfig(storage_filesystem=...)``), 4 CPU workers, full_shard.
 
-One module, one Ray session, four fits: an uninterrupted run with synchronous
+One module, one Ray session, five fits: an uninterrupted run with synchronous
 saves; the same job with asynchronous saves, a failed background write and
 killed workers (it must end with the reference's parameters, restore reading
 at most 1.2x the checkpoint, keep at most ``num_to_keep`` + 1 complete
-checkpoints); a 2-worker run resharding its final checkpoint; and a run whose
-S3 server goes away mid-save (the error names the store), resumed later.
+checkpoints); a 2-worker run resharding its final checkpoint; the job with
+asynchronous saves through :mod:`tests.fault_proxy`, 25% of checkpoint writes
+answered ``503 SlowDown`` and a 10 s outage from the first checkpoint write
+on (one attempt, the reference's parameters); and a run whose S3 server goes
+away mid-save (past ``storage_retry_s`` the error names the store), resumed
+later.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ray_fsdp_backend.checkpoint.layout import decode_marker
 from tests import counting_fs
 from tests.conftest import S3Server
 from tests.e2e.ckpt_s3_fns import train_on_store
+from tests.fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.e2e
 
@@ -169,6 +174,26 @@ def test_server_gone_mid_save_fails_naming_the_store_then_resumes(s3_server, ray
         server.stop()
     assert _attempts(fault_dir)[-1]["resumed_from"] == 2
     assert result.metrics["step"] == STEPS
+
+
+def test_throttled_store_and_a_10s_outage_cost_no_restart(runs, s3_server, tmp_path):
+    _, (straight, _), _, _ = runs
+    proxy = FaultProxy(s3_server.port)
+    proxy.throttle(0.25, seed=1)  # of checkpoint writes
+    proxy.outage(10.0)  # from the first checkpoint write on: connections closed unanswered
+    try:
+        result, fault_dir = _fit(
+            tmp_path, S3Server(proxy.port).filesystem(), "throttled", [], max_failures=0,
+            async_save=True,
+        )  # fmt: skip
+    finally:
+        proxy.close()
+    print("faults injected:", proxy.injected, "retries on rank 0:", result.return_value["retries"])
+    assert proxy.injected.get("throttle", 0) >= 3 and proxy.injected.get("outage", 0) >= 2
+    assert len(_attempts(fault_dir)) == 1 and result.return_value["retries"] > 0
+    for name, value in straight.return_value["params"].items():
+        got = torch.tensor(result.return_value["params"][name])
+        assert torch.equal(got, torch.tensor(value)), name
 
 
 def _stop_when_asked(server, fault_dir: Path) -> None:
