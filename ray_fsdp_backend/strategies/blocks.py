@@ -6,8 +6,10 @@ and activation checkpointing recomputes each block in backward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -173,7 +175,7 @@ def materialize_meta_module(
         owner, _, attr = name.rpartition(".")
         buffers = model.get_submodule(owner)._buffers
         buffers[attr] = buffers[attr].to(buffer_device or device)
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_dtensor_cpu_rng(device):
         if callable(init):
             init()
         else:
@@ -187,6 +189,29 @@ def materialize_meta_module(
         current = dict(_named_tensors(model))
         for name, value in real.items():  # values the caller gave win over init
             current[name].copy_(value)
+
+
+@contextlib.contextmanager
+def _quiet_dtensor_cpu_rng(device: torch.device | str) -> Iterator[None]:
+    """Silence torch's "DTensor random operators may not have complete
+    support on cpu device mesh" while a CPU model is initialised.
+
+    torch 2.13 (``torch.distributed.tensor._random.is_rng_supported_mesh``)
+    warns at the first random op on a DTensor of a CPU mesh, because its
+    offset-based RNG tracker needs a device generator: each rank then fills
+    its own shard from its own CPU generator. Every CPU run's meta-device
+    initialisation hits it once per worker, and the message tells the user
+    nothing they can act on, so only this one known message is filtered,
+    only here and only for CPU; GPU meshes have the tracker and warn nothing.
+    """
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="DTensor random operators may not have complete support on cpu"
+        )
+        yield
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
