@@ -193,10 +193,13 @@ class FSDPSettings:
     blocks). Empty: every child of every ``nn.ModuleList``. Ignored when the
     model provides ``convert_to_fsdp``."""
 
-    compile: bool = False
+    compile: bool | str = "auto"
     """``torch.compile`` each block (those the wrap policy finds) before
-    sharding, as torchtitan does; the rest of the model runs eagerly. Needs a
-    model with blocks, and a C++ compiler on CPU workers."""
+    sharding, as torchtitan does; the rest of the model runs eagerly.
+    ``auto``: on for CUDA workers (1.4x the eager step of the 1B preset on
+    an H200), off on CPU workers; a model without blocks then runs eagerly
+    with a warning. ``true`` / ``false`` force it (``true`` needs blocks, and
+    a C++ compiler on CPU workers)."""
 
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one worker's device, for MFU. None: looked up for
@@ -217,6 +220,13 @@ class FSDPSettings:
         _check_values(self)
 
     # -- public helpers -------------------------------------------------
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether blocks are compiled on a worker of ``device_type``
+        (``compile: auto`` resolved: on for ``cuda`` only)."""
+        if self.compile == "auto":
+            return device_type == "cuda"
+        return bool(self.compile)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -324,7 +334,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "context_parallel_backend": (str,),
     "use_dmuon": (bool,),
     "fsdp_block_classes": (tuple,),
-    "compile": (bool,),
+    "compile": (bool, str),
     "peak_tflops": (int, float, type(None)),
     "nccl_env": (dict,),
 }
@@ -377,6 +387,8 @@ def _check_values(cfg: FSDPSettings) -> None:
     _check_one_of("init_method", cfg.init_method, _INIT_METHODS)
     _check_one_of("fsdp_reduce_dtype", cfg.fsdp_reduce_dtype, _REDUCE_DTYPES)
     _check_one_of("hsdp_uneven_nodes", cfg.hsdp_uneven_nodes, UNEVEN_NODE_POLICIES)
+    if isinstance(cfg.compile, str):
+        _check_one_of("compile", cfg.compile, ("auto", True, False))
     if cfg.timeout_s <= 0:
         raise ValueError(f"timeout_s={cfg.timeout_s!r} must be a positive number of seconds")
     if not 0 <= cfg.storage_retry_s < cfg.timeout_s:

@@ -150,37 +150,62 @@ class Muon(torch.optim.Optimizer):
             weight_decay=adamw_weight_decay,
         )
         # torch's AdamW runs the AdamW group's update (see _adamw_step).
-        self._adamw = torch.optim.AdamW([p for _, p in rest], **adamw_hyper) if rest else None
+        # Fused: it honours ``found_inf`` (a skipped step) on the device.
+        self._adamw = (
+            torch.optim.AdamW([p for _, p in rest], **adamw_hyper, fused=True) if rest else None
+        )
         super().__init__(_param_groups(model, dedicated, muon_hyper, self._adamw), defaults={})
         self.last_step_stats: DMuonStepStats | None = None
         self._init_state()
+
+    # GradScaler's protocol (see ray_fsdp_backend.step_guard): ``step`` reads
+    # ``self.found_inf`` and skips the whole update where it is non-zero.
+    _step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure=None):
         """One Muon step on the dedicated matrices and one AdamW step on the
         rest. Every rank of the mesh must call it (it communicates), also when
-        some parameters have no gradient: those are left unchanged."""
+        some parameters have no gradient: those are left unchanged.
+
+        With ``self.found_inf`` set (a 0-d tensor, as ``GradScaler`` and
+        :func:`~ray_fsdp_backend.step_guard.step_if_finite` set it) a
+        non-zero value leaves parameters and state as they were, decided on
+        the device: the exchanges and Newton–Schulz still run (on zeroed
+        gradients), their result is multiplied by 0.
+        """
+        if getattr(self, "grad_scale", None) is not None:
+            raise ValueError(
+                "Muon does not unscale gradients: call GradScaler.unscale_(optimizer) before "
+                "step (or train in bf16 / fp32, which need no scaler)"
+            )
+        keep = _Keep(getattr(self, "found_inf", None))
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             if group["name"] == MUON_GROUP:
-                self._muon_step(group)
-        self._adamw_step()
+                self._muon_step(group, keep)
+        self._adamw_step(keep.found_inf)
         return loss
 
-    def _muon_step(self, group: dict) -> None:
+    def _muon_step(self, group: dict, keep: _Keep) -> None:
         params = group["params"]
-        updates, owned, ns_calls = self._orthogonalized_shards(params, group)
+        updates, owned, ns_calls = self._orthogonalized_shards(params, group, keep)
         lr = _to_scalar(group["lr"])
         for i, (p, spec) in enumerate(zip(params, self.plan.matrices, strict=True)):
             if p.grad is None:
                 continue
             local = _local(p)
-            local.mul_(1 - lr * group["weight_decay"])
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], spec.shape)
-            local.add_(updates[i].to(local.device), alpha=-adjusted_lr)  # offload: host shard
+            update = updates[i].to(local.device)  # offload: host shard
+            if keep.found_inf is None:
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(update, alpha=-adjusted_lr)
+            else:  # both factors are 0 where the step is skipped
+                local.mul_(1 - keep.on(local.device) * (lr * group["weight_decay"]))
+                local.addcmul_(update, keep.on(local.device), value=-adjusted_lr)
         self.last_step_stats = DMuonStepStats(
             orthogonalized=tuple(self.plan.matrices[i].name for i in owned),
             ns_calls=ns_calls,
@@ -189,7 +214,7 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _orthogonalized_shards(
-        self, params: list[torch.Tensor], group: dict
+        self, params: list[torch.Tensor], group: dict, keep: _Keep
     ) -> tuple[dict[int, torch.Tensor], list[int], int]:
         """This rank's rows of every orthogonalised update (by plan index),
         the matrices it owned, and its batched Newton–Schulz calls.
@@ -199,12 +224,12 @@ class Muon(torch.optim.Optimizer):
         """
         ex = self._exchange
         ex.reset_counters()
-        incoming = self._start_bucket(0, params, group)
+        incoming = self._start_bucket(0, params, group, keep)
         outgoing, owned, ns_calls = [], [], 0
         for b, layout in enumerate(ex.layouts):
             full = ex.finish_to_owners(incoming)
             if b + 1 < len(ex.layouts):
-                incoming = self._start_bucket(b + 1, params, group)
+                incoming = self._start_bucket(b + 1, params, group, keep)
             outgoing.append(ex.start_to_shards(b, self._orthogonalize(full, group)))
             owned += layout.owned
             ns_calls += len(layout.ns_batches)
@@ -213,19 +238,23 @@ class Muon(torch.optim.Optimizer):
             updates.update(ex.finish_to_shards(pending))
         return updates, sorted(owned), ns_calls
 
-    def _start_bucket(self, bucket: int, params: list[torch.Tensor], group: dict):
+    def _start_bucket(self, bucket: int, params: list[torch.Tensor], group: dict, keep: _Keep):
         """Momentum-update this rank's rows of ``bucket``'s matrices straight
         into the exchange buffer and send it to the owners."""
         buffer, views = self._exchange.send_buffer(bucket)
         for i, view in views.items():
-            self._momentum_update(params[i], group, view)
+            self._momentum_update(params[i], group, view, keep)
         return self._exchange.start_to_owners(bucket, buffer)
 
-    def _momentum_update(self, p: torch.Tensor, group: dict, out: torch.Tensor) -> None:
+    def _momentum_update(
+        self, p: torch.Tensor, group: dict, out: torch.Tensor, keep: _Keep
+    ) -> None:
         """Write this rank's rows of the Nesterov (or plain) momentum update,
         cast to ``ns_dtype``, into ``out``; zeros for a parameter without
         gradient, so that the exchanges have the same layout on every rank.
-        Like ``torch.optim.Muon``, Nesterov leaves the update in the gradient."""
+        Like ``torch.optim.Muon``, Nesterov leaves the update in the gradient.
+        A skipped step (``keep`` 0) zeroes the gradient and leaves the
+        momentum as it was."""
         if p.grad is None:
             out.zero_()
             return
@@ -233,7 +262,11 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-        buf.lerp_(grad, 1 - group["momentum"])
+        if keep.found_inf is None:
+            buf.lerp_(grad, 1 - group["momentum"])
+        else:
+            grad.masked_fill_(keep.skip_on(grad.device), 0.0)  # inf and NaN out
+            buf.lerp_(grad, keep.on(buf.device, buf.dtype) * (1 - group["momentum"]))
         # In place, as torch.optim.Muon does: no fp32 temporary per matrix.
         out.copy_(grad.lerp_(buf, group["momentum"]) if group["nesterov"] else buf)
 
@@ -281,7 +314,7 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             self.state[p]["step"].zero_()
 
-    def _adamw_step(self) -> None:
+    def _adamw_step(self, found_inf: torch.Tensor | None = None) -> None:
         # The inner AdamW runs torch's own update on our "adamw" groups and
         # our state: rebound on every step because load_state_dict replaces
         # both objects.
@@ -289,7 +322,14 @@ class Muon(torch.optim.Optimizer):
             return
         self._adamw.param_groups = [g for g in self.param_groups if g["name"] == ADAMW_GROUP]
         self._adamw.state = self.state
-        self._adamw.step()
+        if found_inf is None:
+            self._adamw.step()
+            return
+        self._adamw.found_inf, self._adamw.grad_scale = found_inf, None
+        try:
+            self._adamw.step()
+        finally:
+            del self._adamw.found_inf, self._adamw.grad_scale
 
     def momentum_numel(self) -> int:
         """Elements of Muon momentum this rank holds (its shards only)."""
@@ -298,6 +338,28 @@ class Muon(torch.optim.Optimizer):
             for s in self.state.values()
             if "momentum_buffer" in s
         )
+
+
+class _Keep:
+    """``1 - found_inf`` (1: take the step, 0: skip it) and the skip mask,
+    per device and dtype, each made once per step (on the device: no sync).
+    ``found_inf`` None: no skipping, the plain update."""
+
+    def __init__(self, found_inf: torch.Tensor | None) -> None:
+        self.found_inf = found_inf
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def on(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        key = ("keep", device, dtype)
+        if key not in self._cache:
+            self._cache[key] = (1 - self.found_inf).to(device=device, dtype=dtype)
+        return self._cache[key]
+
+    def skip_on(self, device: torch.device) -> torch.Tensor:
+        key = ("skip", device)
+        if key not in self._cache:
+            self._cache[key] = (self.found_inf != 0).to(device)
+        return self._cache[key]
 
 
 def _param_groups(model, dedicated, muon_hyper: dict, adamw) -> list[dict]:

@@ -3,15 +3,18 @@
 ``StepMeter`` counts the tokens each rank trains, times the steps between
 logged ones and reads peak memory, and at a logged step reduces them over
 all ranks into the dict the loop reports (the arithmetic is in
-:mod:`ray_fsdp_backend.metrics.flops`). ``ctx.step_meter(...)`` builds one with the
+:mod:`ray_fsdp_backend.metrics.flops`). The loop's own scalars (loss,
+gradient norm, skipped steps) stay on the device between logged steps and
+go into the same reduction: one device-to-host copy per logged step for all
+of them, none in between. ``ctx.step_meter(...)`` builds one with the
 model's FLOPs per token and the device's peak FLOP/s already resolved::
 
     meter = ctx.step_meter(model, seq_len=1024, total_steps=1000)
     for step in range(1, 1001):
         ...
         meter.count_tokens(inputs.numel())        # every micro-batch
-        if step % 10 == 0:
-            metrics = {"loss": ..., **meter.measure(step)}   # every rank
+        if step % 10 == 0:                        # every rank
+            metrics = meter.measure(step, mean={"loss": loss}, same={"grad_norm": norm})
             ray.train.report(metrics)
 """
 
@@ -71,22 +74,42 @@ class StepMeter:
         """Add ``n`` tokens this rank trained (call it per micro-batch)."""
         self._window_tokens += int(n)
 
-    def measure(self, step: int) -> dict[str, float]:
-        """Metrics over the steps since the previous call. A collective: every
-        rank calls it at the same steps; every rank gets the same dict."""
+    def measure(
+        self,
+        step: int,
+        *,
+        mean: Mapping[str, torch.Tensor | float] | None = None,
+        same: Mapping[str, torch.Tensor | float] | None = None,
+    ) -> dict[str, float]:
+        """Metrics over the steps since the previous call, plus ``mean``
+        (averaged over ranks, e.g. each rank's loss) and ``same`` (values
+        every rank holds alike, e.g. the global gradient norm; their maximum
+        is taken), as Python floats. Tensors may stay on the device: all
+        values cross to the host in one copy, the only synchronisation. A
+        collective: every rank calls it at the same steps with the same keys;
+        every rank gets the same dict."""
+        mean, same = dict(mean or {}), dict(same or {})
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         allocated, reserved = peak_memory_bytes(self.device)
         world = dist.get_world_size() if dist.is_initialized() else 1
         retries, retry_s = STORAGE_RETRIES.snapshot()
-        sums = _all_reduce([float(self._window_tokens), retries], dist.ReduceOp.SUM, self.device)
-        peaks = _all_reduce(
-            [now - self._last, allocated, reserved, retry_s], dist.ReduceOp.MAX, self.device
+        sums = _gather_scalars([float(self._window_tokens), retries, *mean.values()], self.device)
+        peaks = _gather_scalars(
+            [now - self._last, allocated, reserved, retry_s, *same.values()], self.device
         )
-        tokens, (seconds, allocated, reserved, retry_s) = int(sums[0]), peaks
+        if world > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        values = torch.cat([sums, peaks]).tolist()  # the one device-to-host copy
+        n = len(sums)
+        tokens, retries = int(values[0]), int(values[1])
+        seconds, allocated, reserved, retry_s = values[n : n + 4]
+        out = {k: v / world for k, v in zip(mean, values[2:n], strict=True)}
+        out |= dict(zip(same, values[n + 4 :], strict=True))
         self.tokens_seen += tokens
-        out = throughput_metrics(
+        out |= throughput_metrics(
             tokens=tokens,
             seconds=seconds,
             steps=step - self._last_step,
@@ -94,14 +117,13 @@ class StepMeter:
             flops_per_token=self.flops_per_token,
             peak_flops=self.peak_flops,
         )
-        elapsed = now - self._start
         out |= {
             "tokens_seen": self.tokens_seen,
             "memory_peak_allocated_gib": allocated / _GIB,
             "memory_peak_reserved_gib": reserved / _GIB,
-            "elapsed_s": elapsed,
+            "elapsed_s": now - self._start,
             # Since the workers started: a throttled or flaky store shows here.
-            "storage_retries": int(sums[1]),
+            "storage_retries": retries,
             "storage_retry_s": retry_s,
         }
         if self.total_steps is not None:
@@ -111,11 +133,16 @@ class StepMeter:
         return out
 
 
-def _all_reduce(values: list[float], op, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=op)
-    return t.tolist()
+def _gather_scalars(values: list[torch.Tensor | float], device: torch.device) -> torch.Tensor:
+    """One float64 vector on ``device`` of host floats (one host-to-device
+    copy) and 0-d tensors (copied on the device, not read), in order."""
+    is_tensor = [isinstance(v, torch.Tensor) for v in values]
+    host = [0.0 if t else float(v) for v, t in zip(values, is_tensor, strict=True)]
+    out = torch.tensor(host, dtype=torch.float64).to(device)
+    for i, v in enumerate(values):
+        if is_tensor[i]:
+            out[i] = v.detach().reshape(())
+    return out
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[float, float]:

@@ -100,21 +100,27 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]
         checkpoint(block)
 
 
-def apply_compile(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+def apply_compile(model: nn.Module, blocks: Sequence[nn.Module], *, required: bool = True) -> None:
     """``torch.compile`` every block in place, before it is sharded or
     checkpointed, as torchtitan does: one compiled graph per block, reused by
     all blocks of the same shape. ``Module.compile()`` keeps parameter names
     (no ``_orig_mod.`` prefix), so checkpoints load with and without it.
+    Without blocks and not ``required`` (``compile: auto``) it warns and
+    compiles nothing.
 
     Raises:
-        ValueError: no blocks: there is nothing to compile one by one.
+        ValueError: no blocks and ``required``: nothing to compile one by one.
     """
     if not blocks:
-        raise ValueError(
-            f"compile=True but the wrap policy found no blocks in {type(model).__name__} "
+        message = (
+            f"the wrap policy found no blocks in {type(model).__name__} "
             "(no nn.ModuleList children): set fsdp_block_classes to the class names of "
             "its transformer blocks"
         )
+        if required:
+            raise ValueError(f"compile=True but {message}")
+        _logger.warning("compile: auto runs eagerly: %s", message)
+        return
     for block in blocks:
         block.compile()
 

@@ -62,8 +62,9 @@ class DDPStrategy(DistributionStrategy):
         return False
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if self.config.compile:
-            apply_compile(model, find_blocks(model, self.config.fsdp_block_classes))
+        if self.config.compiles_on(self.device.type):
+            blocks = find_blocks(model, self.config.fsdp_block_classes)
+            apply_compile(model, blocks, required=self.config.compile is True)
         if self.config.use_gradient_checkpointing:
             apply_activation_checkpointing(
                 model, find_blocks(model, self.config.fsdp_block_classes)

@@ -181,8 +181,9 @@ class FSDPStrategy(DistributionStrategy):
         context_parallel = self.config.context_parallel_size > 1
         if context_parallel:
             self.apply_context_parallel(model)
-        if self.config.compile:
-            apply_compile(model, find_blocks(model, self.config.fsdp_block_classes))
+        if self.config.compiles_on(self.device.type):
+            blocks = find_blocks(model, self.config.fsdp_block_classes)
+            apply_compile(model, blocks, required=self.config.compile is True)
         convert = getattr(model, "convert_to_fsdp", None)
         if callable(convert):
             if self.config.use_gradient_checkpointing:

@@ -2,12 +2,19 @@
 
 It reads top to bottom like nanoGPT's ``train.py``: build the model on the
 meta device, let the backend shard and initialise it, build the optimizer and
-data, restore a checkpoint if the run has one, then repeat micro-batches
-(all but the last under ``no_sync``), clip, step, and report. Rank 0 prints a
+data, restore a checkpoint if the run has one (:func:`setup_run`), then
+repeat micro-batches (all but the last under ``no_sync``), clip, step
+(:func:`train_step`), and report (:func:`log_step`). Rank 0 prints a
 progress line every ``train.log_every`` steps (throughput, MFU, memory and
 ETA from ``ctx.step_meter``; TensorBoard scalars with ``logging.tensorboard``)
 and returns the metric history, which the driver turns into
 ``metrics.jsonl`` and ``loss_curve.png``.
+
+A step that does not log never waits for the device: the loss, the gradient
+norm and the count of skipped steps stay on it, a step whose norm is not
+finite is skipped there (``found_inf``, as ``GradScaler`` does), and a
+logged step reads them all in one copy. :func:`run_training` is the loop
+without Ray's entry, for benchmarks and tests that build their own context.
 
 ``loop_config`` is the training YAML document after ``--set`` overrides (see
 :mod:`ray_fsdp_backend.trainer.spec`).
@@ -19,11 +26,12 @@ import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import ray.train
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,6 +39,7 @@ import ray_fsdp_backend as rfb
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, show_ray_report_lines
+from ray_fsdp_backend.step_guard import step_if_finite
 from ray_fsdp_backend.trainer.data import RayDataBatches, ShardedBatches, load_corpus
 from ray_fsdp_backend.trainer.model import Transformer
 from ray_fsdp_backend.trainer.pretrained import (
@@ -50,10 +59,62 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     """Train the example model; returns the logged history (rank 0's is used)."""
     ctx = rfb.get_context()
     spec = fit_global_batch(build_spec(loop_config), ctx.dp_size, ctx.world_rank)
-    opts = spec.train
     show_ray_report_lines(spec.logging.verbose)
-    torch.manual_seed(opts.seed)
+    return run_training(ctx, spec)
 
+
+@dataclass
+class TrainRun:
+    """What :func:`setup_run` builds and the loop steps through."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    batches: Any
+    checkpoints: CheckpointHooks
+    meter: Any
+    start_step: int
+    skipped: torch.Tensor
+    """Steps skipped for a non-finite gradient norm (a 0-d device tensor,
+    read only at logged steps), counted over the whole run across restarts."""
+    skipped_logged: int = 0
+    board: TensorBoardWriter | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def run_training(
+    ctx,
+    spec: RunSpec,
+    *,
+    report: Callable[[dict], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> list[dict[str, float]]:
+    """Set up the run and train from the restored step to ``train.steps``;
+    returns the logged history. ``report`` receives the metrics of every
+    logged step that saves no checkpoint (default ``ray.train.report``);
+    ``on_step(step)`` runs after every step (benchmarks time and profile
+    with it). Between logged steps nothing is read on the host."""
+    run = setup_run(ctx, spec, report=report)
+    for step in range(run.start_step + 1, spec.train.steps + 1):
+        result = train_step(ctx, run.model, run.optimizer, run.batches, spec, run.meter)
+        run.skipped += result.skipped
+        run.schedule.step()
+        if is_logged(step, run.start_step, spec.train) or run.checkpoints.due(step):
+            log_step(ctx, spec, run, step, result)
+        if on_step is not None:
+            on_step(step)
+    if run.board is not None:
+        run.board.close()
+    if getattr(spec.model, "export", None):
+        ctx.export_model(run.model, spec.model.export)  # Hugging Face layout
+    return run.history
+
+
+def setup_run(ctx, spec: RunSpec, *, report: Callable[[dict], None] | None = None) -> TrainRun:
+    """Build the model (wrapped by the backend), optimizer, schedule, data,
+    checkpoint hooks and meter, and restore the run's latest checkpoint."""
+    opts = spec.train
+    torch.manual_seed(opts.seed)
     if isinstance(spec.model, PretrainedModelConfig):
         model = build_pretrained(ctx, spec.model)  # wraps, then loads shard by shard
     else:
@@ -64,11 +125,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
     batches = build_batches(spec, ctx.dp_rank, ctx.dp_size)
     checkpoints = CheckpointHooks(
-        ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async
+        ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async, report=report
     )
-    start_step = checkpoints.restore(model, optimizer, schedule, batches)
-
-    history: list[dict[str, float]] = []
+    extra = checkpoints.restore(model, optimizer, schedule, batches)
+    start_step, skipped = int(extra.get("step", 0)), int(extra.get("skipped_steps", 0))
     tokens_per_step = opts.micro_batch_size * opts.grad_accum * spec.model.seq_len * ctx.dp_size
     meter = ctx.step_meter(
         model,
@@ -80,38 +140,62 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     board = None
     if spec.logging.tensorboard and ctx.world_rank == 0:
         board = TensorBoardWriter(spec.logging.tensorboard)
-    for step in range(start_step + 1, opts.steps + 1):
-        loss, grad_norm = train_step(ctx, model, optimizer, batches, spec, meter)
-        schedule.step()
-        logged = step % opts.log_every == 0 or step in (start_step + 1, opts.steps)
-        if not (logged or checkpoints.due(step)):
-            continue
-        # Collective: every rank reaches this line at the same steps.
-        metrics = {
-            "step": step,
-            "loss": mean_across_ranks(loss.detach(), ctx.device),
-            "grad_norm": float(grad_norm),
-            "lr": schedule.get_last_lr()[0],
-            "data_position": batches.position,
-            "world_size": ctx.world_size,
-            **meter.measure(step),
-        }
-        history.append(metrics)
-        if ctx.world_rank == 0:
-            _logger.info(format_progress(metrics, opts.steps))
-        if board is not None:
-            board.write(metrics, step)
-        extra_state = {
-            "step": step,
-            "data": batches.state_dict(),
-            "schedule": schedule.state_dict(),
-        }
-        checkpoints.report(step, model, optimizer, metrics, extra_state)
-    if board is not None:
-        board.close()
-    if getattr(spec.model, "export", None):
-        ctx.export_model(model, spec.model.export)  # Hugging Face layout
-    return history
+    return TrainRun(
+        model=model,
+        optimizer=optimizer,
+        schedule=schedule,
+        batches=batches,
+        checkpoints=checkpoints,
+        meter=meter,
+        start_step=start_step,
+        skipped=torch.tensor(float(skipped), device=ctx.device),
+        skipped_logged=skipped,
+        board=board,
+    )
+
+
+def is_logged(step: int, start_step: int, opts: TrainOptions) -> bool:
+    """Whether ``step`` reports metrics: every ``log_every`` steps, the first
+    step of a (re)start and the last one."""
+    return step % opts.log_every == 0 or step in (start_step + 1, opts.steps)
+
+
+def log_step(ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult) -> dict:
+    """Report ``step``'s metrics (and save a checkpoint when one is due).
+    Collective: every rank reaches it at the same steps. The step's device
+    scalars cross to the host here, in one copy (``StepMeter.measure``)."""
+    metrics = {
+        "step": step,
+        **run.meter.measure(
+            step,
+            mean={"loss": result.loss},
+            same={"grad_norm": result.grad_norm, "skipped_steps": run.skipped},
+        ),
+        "lr": run.schedule.get_last_lr()[0],
+        "data_position": run.batches.position,
+        "world_size": ctx.world_size,
+    }
+    skipped = int(metrics["skipped_steps"])
+    if skipped > run.skipped_logged and ctx.world_rank == 0:
+        _logger.warning(
+            "%d step(s) skipped since the last report: gradient norm not finite (now %s)",
+            skipped - run.skipped_logged,
+            metrics["grad_norm"],
+        )
+    run.skipped_logged = skipped
+    run.history.append(metrics)
+    if ctx.world_rank == 0:
+        _logger.info(format_progress(metrics, spec.train.steps))
+    if run.board is not None:
+        run.board.write(metrics, step)
+    extra_state = {
+        "step": step,
+        "data": run.batches.state_dict(),
+        "schedule": run.schedule.state_dict(),
+        "skipped_steps": skipped,
+    }
+    run.checkpoints.report(step, run.model, run.optimizer, metrics, extra_state)
+    return metrics
 
 
 def fit_global_batch(spec: RunSpec, dp_size: int, world_rank: int) -> RunSpec:
@@ -130,16 +214,26 @@ def fit_global_batch(spec: RunSpec, dp_size: int, world_rank: int) -> RunSpec:
     return dataclasses.replace(spec, train=train)
 
 
-def train_step(
-    ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns this rank's
-    mean loss and the global pre-clip gradient norm. ``meter`` (a
-    ``StepMeter``) counts the tokens trained."""
+class StepResult(NamedTuple):
+    """One optimizer step's scalars, 0-d tensors left on the device."""
+
+    loss: torch.Tensor
+    """This rank's mean loss over its micro-batches."""
+    grad_norm: torch.Tensor
+    """The global pre-clip gradient norm (equal on every rank)."""
+    skipped: torch.Tensor
+    """1.0 when the norm was not finite and the step was skipped, else 0.0."""
+
+
+def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None) -> StepResult:
+    """One optimizer step over ``grad_accum`` micro-batches, with no host
+    synchronisation: a step whose gradient norm is not finite is skipped on
+    the device (:func:`~ray_fsdp_backend.step_guard.step_if_finite`).
+    ``meter`` (a ``StepMeter``) counts the tokens trained."""
     accum = spec.train.grad_accum
     total = torch.zeros((), device=ctx.device)
     for micro in range(accum):
-        inputs, targets = (t.to(ctx.device, non_blocking=True) for t in batches.next_batch())
+        inputs, targets = (to_device(t, ctx.device) for t in batches.next_batch())
         if meter is not None:
             meter.count_tokens(inputs.numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
@@ -152,17 +246,24 @@ def train_step(
         total += loss.detach()
     # max_grad_norm 0 (or null): no clipping, the norm is still measured.
     grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
-    if torch.isfinite(grad_norm):
-        optimizer.step()
-    else:  # every rank sees the same global norm, so all skip together
-        _logger.warning("step skipped: gradient norm is %s", float(grad_norm))
+    # Every rank sees the same global norm, so all skip together.
+    skipped = step_if_finite(optimizer, grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm
+    return StepResult(total, grad_norm, skipped)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``batch`` on ``device``; to a GPU through pinned memory, so that the
+    copy is queued behind the running step instead of waiting for it."""
+    if device.type == "cuda" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
 
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
-    """AdamW (decay on 2-D weights only), or distributed Muon for the blocks'
-    matrices with AdamW for the rest."""
+    """Fused AdamW (decay on 2-D weights only), or distributed Muon for the
+    blocks' matrices with AdamW for the rest. Both skip a non-finite step
+    without a host sync (``found_inf``)."""
     opts = spec.train
     if opts.optimizer == "muon":
         from ray_fsdp_backend.dmuon.optimizer import Muon
@@ -180,7 +281,8 @@ def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
         {"params": decay, "weight_decay": opts.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8)
+    # Fused: one kernel per step, and it skips a non-finite step on the device.
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_factor(step: int, opts: TrainOptions) -> float:
@@ -205,36 +307,38 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
     return ShardedBatches(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
 
 
-def mean_across_ranks(value: torch.Tensor, device: torch.device) -> float:
-    """Mean of a scalar over all ranks (SUM then divide: gloo lacks a reliable AVG)."""
-    t = value.detach().float().reshape(1).to(device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t) / dist.get_world_size()
-
-
 class CheckpointHooks:
     """Checkpoints every ``every`` steps through the context's helpers, plain
-    metric reports between them (and always with ``every`` 0). The loop calls
-    :meth:`restore` once and :meth:`report` at every logged step.
+    metric reports between them (and always with ``every`` 0) through
+    ``report`` (default ``ray.train.report``). The loop calls :meth:`restore`
+    once and :meth:`report` at every logged step.
     """
 
-    def __init__(self, ctx, every: int, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        ctx,
+        every: int,
+        async_save: bool = False,
+        report: Callable[[dict], None] | None = None,
+    ) -> None:
         self.ctx, self.every, self.async_save = ctx, every, async_save
         self.enabled = every > 0
+        self._report = report
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.every == 0
 
-    def restore(self, model, optimizer, schedule, batches) -> int:
-        """Load the latest checkpoint if the run has one; returns its step (0: none)."""
+    def restore(self, model, optimizer, schedule, batches) -> dict:
+        """Load the latest checkpoint if the run has one; returns its extra
+        state (``step``, ``skipped_steps``, ...; empty: nothing to resume)."""
         extra = self.ctx.restore_checkpoint(model, optimizer)
         if not extra:
-            return 0
+            return {}
         batches.load_state_dict(extra["data"])
         schedule.load_state_dict(extra["schedule"])
         if self.ctx.world_rank == 0:
             _logger.info("resumed from step %d", extra["step"])
-        return int(extra["step"])
+        return extra
 
     def report(self, step, model, optimizer, metrics, extra_state) -> None:
         """A checkpoint when one is due, else a metrics-only report (every rank)."""
@@ -242,5 +346,7 @@ class CheckpointHooks:
             self.ctx.save_checkpoint(
                 model, optimizer, metrics, extra_state=extra_state, async_save=self.async_save
             )
+        elif self._report is not None:
+            self._report(metrics)
         else:
             ray.train.report(metrics)

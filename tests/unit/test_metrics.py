@@ -128,7 +128,10 @@ def test_step_meter_in_one_process():
     retries, seconds = STORAGE_RETRIES.snapshot()
     assert (m["storage_retries"], m["storage_retry_s"]) == (retries, seconds)
     meter.count_tokens(32)
-    assert meter.measure(6)["tokens_seen"] == 64 + 128
+    loss, norm = torch.tensor(2.5), torch.tensor(0.75)
+    m = meter.measure(6, mean={"loss": loss}, same={"grad_norm": norm, "skipped_steps": 3.0})
+    assert m["tokens_seen"] == 64 + 128
+    assert (m["loss"], m["grad_norm"], m["skipped_steps"]) == (2.5, 0.75, 3.0)
 
 
 def test_ray_report_lines_are_hidden_and_shown_again():
@@ -152,16 +155,28 @@ def test_ray_report_lines_are_hidden_and_shown_again():
 
 def test_compile_and_peak_settings_are_validated():
     assert FSDPSettings(compile=True, peak_tflops=312).peak_tflops == 312
-    with pytest.raises(ValueError, match="compile='yes' has type str; expected bool"):
+    with pytest.raises(ValueError, match="compile='yes' is not one of auto, True, False"):
         FSDPSettings(compile="yes")
+    with pytest.raises(ValueError, match="compile=1 has type int; expected bool or str"):
+        FSDPSettings(compile=1)
     with pytest.raises(ValueError, match="peak_tflops=0 must be positive or null"):
         FSDPSettings(peak_tflops=0)
 
 
-def test_compile_without_blocks_names_the_fix():
+def test_compile_auto_is_on_for_cuda_workers_only():
+    auto = FSDPSettings()
+    assert auto.compile == "auto" and auto.compiles_on("cuda") and not auto.compiles_on("cpu")
+    assert FSDPSettings(compile=True).compiles_on("cpu")
+    assert not FSDPSettings(compile=False).compiles_on("cuda")
+    assert FSDPSettings.from_dict(auto.to_dict()).compile == "auto"
+
+
+def test_compile_without_blocks_names_the_fix(caplog):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     with pytest.raises(ValueError, match="compile=True but the wrap policy found no blocks"):
         apply_compile(model, find_blocks(model))
+    apply_compile(model, find_blocks(model), required=False)  # compile: auto
+    assert "compile: auto runs eagerly" in caplog.text
     with torch.device("meta"):
         transformer = Transformer(TINY)
     apply_compile(transformer, find_blocks(transformer))  # lazy: nothing compiles yet
