@@ -99,6 +99,34 @@ def setup_worker(
     )
 
 
+def setup_process_context(config: FSDPSettings, device: torch.device) -> TrainContext:
+    """The ``TrainContext`` of a process whose process group is already
+    initialised without Ray (torchrun, a test's spawned ranks, a
+    benchmark): the topology from ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``, the
+    mesh and strategy as the backend builds them. Installed for
+    ``get_context()`` and returned; collective (builds the mesh)."""
+    from ray_fsdp_backend.mesh import resolve_layout, topology_from_environment
+
+    topology = topology_from_environment()
+    layout = resolve_layout(config, topology)
+    mesh = build_device_mesh(layout, device.type)
+    world_rank = dist.get_rank()
+    strategy = build_strategy(
+        config, device=device, local_rank=topology.local_rank(world_rank), mesh=mesh
+    )
+    context = TrainContext(
+        config=config,
+        strategy=strategy,
+        mesh=mesh,
+        layout=layout,
+        topology=topology,
+        device=device,
+        world_rank=world_rank,
+    )
+    set_context(context)
+    return context
+
+
 def teardown_worker() -> None:
     """Drop the context and destroy the process group, so that the next
     ``fit()`` or a restart after a failure starts from a clean process."""

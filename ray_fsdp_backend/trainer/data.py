@@ -84,15 +84,17 @@ class WindowOrder:
                 f"corpus of {num_tokens} tokens is too short for seq_len={seq_len}: "
                 f"need at least {2 * seq_len + 2}"
             )
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+        self._epoch, self._perm = -1, []
 
     def start(self, sample: int) -> int:
         epoch, index = divmod(sample, self.num_windows)
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.num_windows, generator=gen)
+            # A list: reading a tensor element per row costs a scalar read each.
+            perm = torch.randperm(self.num_windows, generator=gen).tolist()
+            self._epoch, self._perm = epoch, perm
         shift = (epoch * 7919) % self.seq_len
-        return int(self._perm[index]) * self.seq_len + shift
+        return self._perm[index] * self.seq_len + shift
 
 
 def compute_rank_samples(position: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> range:

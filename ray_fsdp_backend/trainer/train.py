@@ -88,13 +88,16 @@ def run_training(
     *,
     report: Callable[[dict], None] | None = None,
     on_step: Callable[[int], None] | None = None,
+    resume: bool = True,
 ) -> list[dict[str, float]]:
     """Set up the run and train from the restored step to ``train.steps``;
     returns the logged history. ``report`` receives the metrics of every
     logged step that saves no checkpoint (default ``ray.train.report``);
     ``on_step(step)`` runs after every step (benchmarks time and profile
-    with it). Between logged steps nothing is read on the host."""
-    run = setup_run(ctx, spec, report=report)
+    with it); ``resume=False`` starts fresh without asking Ray for a
+    checkpoint (outside a Ray Train run). Between logged steps nothing is
+    read on the host."""
+    run = setup_run(ctx, spec, report=report, resume=resume)
     for step in range(run.start_step + 1, spec.train.steps + 1):
         result = train_step(ctx, run.model, run.optimizer, run.batches, spec, run.meter)
         run.skipped += result.skipped
@@ -110,9 +113,12 @@ def run_training(
     return run.history
 
 
-def setup_run(ctx, spec: RunSpec, *, report: Callable[[dict], None] | None = None) -> TrainRun:
+def setup_run(
+    ctx, spec: RunSpec, *, report: Callable[[dict], None] | None = None, resume: bool = True
+) -> TrainRun:
     """Build the model (wrapped by the backend), optimizer, schedule, data,
-    checkpoint hooks and meter, and restore the run's latest checkpoint."""
+    checkpoint hooks and meter, and (``resume``) restore the run's latest
+    checkpoint."""
     opts = spec.train
     torch.manual_seed(opts.seed)
     if isinstance(spec.model, PretrainedModelConfig):
@@ -127,7 +133,7 @@ def setup_run(ctx, spec: RunSpec, *, report: Callable[[dict], None] | None = Non
     checkpoints = CheckpointHooks(
         ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async, report=report
     )
-    extra = checkpoints.restore(model, optimizer, schedule, batches)
+    extra = checkpoints.restore(model, optimizer, schedule, batches) if resume else {}
     start_step, skipped = int(extra.get("step", 0)), int(extra.get("skipped_steps", 0))
     tokens_per_step = opts.micro_batch_size * opts.grad_accum * spec.model.seq_len * ctx.dp_size
     meter = ctx.step_meter(
