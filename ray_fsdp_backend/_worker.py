@@ -82,35 +82,20 @@ def setup_worker(
         timeout=timedelta(seconds=config.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    install_context(config, topology, layout, device=device, world_rank=world_rank)
+
+
+def install_context(
+    config: FSDPSettings,
+    topology: Topology,
+    layout: MeshLayout,
+    *,
+    device: torch.device,
+    world_rank: int,
+) -> TrainContext:
+    """Build the mesh and strategy, install the ``TrainContext`` for
+    ``get_context()`` and return it (collective: builds the mesh)."""
     mesh = build_device_mesh(layout, device.type)
-    strategy = build_strategy(
-        config, device=device, local_rank=topology.local_rank(world_rank), mesh=mesh
-    )
-    set_context(
-        TrainContext(
-            config=config,
-            strategy=strategy,
-            mesh=mesh,
-            layout=layout,
-            topology=topology,
-            device=device,
-            world_rank=world_rank,
-        )
-    )
-
-
-def setup_process_context(config: FSDPSettings, device: torch.device) -> TrainContext:
-    """The ``TrainContext`` of a process whose process group is already
-    initialised without Ray (torchrun, a test's spawned ranks, a
-    benchmark): the topology from ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``, the
-    mesh and strategy as the backend builds them. Installed for
-    ``get_context()`` and returned; collective (builds the mesh)."""
-    from ray_fsdp_backend.mesh import resolve_layout, topology_from_environment
-
-    topology = topology_from_environment()
-    layout = resolve_layout(config, topology)
-    mesh = build_device_mesh(layout, device.type)
-    world_rank = dist.get_rank()
     strategy = build_strategy(
         config, device=device, local_rank=topology.local_rank(world_rank), mesh=mesh
     )
@@ -125,6 +110,19 @@ def setup_process_context(config: FSDPSettings, device: torch.device) -> TrainCo
     )
     set_context(context)
     return context
+
+
+def setup_process_context(config: FSDPSettings, device: torch.device) -> TrainContext:
+    """The ``TrainContext`` of a process whose process group is already
+    initialised without Ray (torchrun, a test's spawned ranks, a
+    benchmark): the topology from ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``, the
+    mesh and strategy as the backend builds them. Installed for
+    ``get_context()`` and returned; collective (builds the mesh)."""
+    from ray_fsdp_backend.mesh import resolve_layout, topology_from_environment
+
+    topology = topology_from_environment()
+    layout = resolve_layout(config, topology)
+    return install_context(config, topology, layout, device=device, world_rank=dist.get_rank())
 
 
 def teardown_worker() -> None:

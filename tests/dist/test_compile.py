@@ -1,4 +1,5 @@
-"""``compile: true`` trains the same numbers as eager, on 2 gloo ranks (fp32).
+"""``compile: true`` trains the same numbers as eager, on 2 gloo ranks (fp32),
+and compiles in the first step only (dynamo's graph count stays put after it).
 
 One spawned job: the example Transformer, FSDP2 full_shard with compiled
 blocks, compiled and checkpointed blocks, then eager, each from the same
@@ -24,8 +25,9 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (BATCH, CFG.seq_len + 1), generator=gen) for _ in range(STEPS)]
 
 
-def _losses(model, rows_of) -> list[float]:
-    """Mean loss over all ranks per step (AdamW, the example's optimizer)."""
+def _losses(model, rows_of, graphs: list[int] | None = None) -> list[float]:
+    """Mean loss over all ranks per step (AdamW, the example's optimizer);
+    ``graphs`` gets dynamo's count of compiled graphs after each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for rows in map(rows_of, _batches()):
@@ -34,6 +36,8 @@ def _losses(model, rows_of) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
+        if graphs is not None:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     return torch.stack(losses)
 
 
@@ -60,16 +64,20 @@ def _ranks(rank: int, world: int) -> dict[str, list[float]]:
         model = Transformer(CFG)
         cfg = FSDPConfig(use_fsdp=True, use_mixed_precision=False, **options)
         model = build_strategy(cfg, device=torch.device("cpu"), local_rank=rank).wrap(model)
-        losses = _losses(model, rank_rows)
+        graphs = out.setdefault(f"{name}_graphs", [])
+        losses = _losses(model, rank_rows, graphs)
         dist.all_reduce(losses)
         out[name] = (losses / world).tolist()
-    out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return out
 
 
 def test_compiled_blocks_train_like_eager_and_one_process():
     got = run_ranks(_ranks, 2)
-    assert got["graphs"] >= 1  # the blocks did run compiled
+    graphs = got["compiled_graphs"]
+    assert graphs[0] >= 1  # the blocks did run compiled, in step 1 ...
+    assert graphs == [graphs[0]] * STEPS  # ... and never recompiled after it
+    checkpointed = got["compiled_checkpointed_graphs"]
+    assert checkpointed == [checkpointed[0]] * STEPS
     reference = _reference().tolist()
     torch.testing.assert_close(got["eager"], reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["compiled"], got["eager"], rtol=1e-5, atol=1e-6)
