@@ -1,14 +1,16 @@
 """The one gradient-norm clipping every strategy uses.
 
-One global L2 norm over every gradient, whatever holds it: DTensors on any
+One global norm (L2 by default; torch's ``norm_type``: 1, inf, any p) over
+every gradient, whatever holds it: DTensors on any
 mesh (FSDP2 shards, HSDP shards) and plain tensors (DDP, unsharded
 parameters), then one clip coefficient for all of them. The seed clipped
 DTensor and plain gradients separately, each to ``max_norm``, which let the
 total reach ``sqrt(2) * max_norm``; ``torch.nn.utils.clip_grad_norm_`` cannot
 mix DTensors from different meshes with plain tensors at all.
 
-How the norm is reduced: a DTensor gradient contributes the squared norm of
-its local shard, summed over the mesh axes on which it is ``Shard``-ed (not
+How the norm is reduced: a DTensor gradient contributes ``|g|_p^p`` of
+its local shard (the max for inf), summed (max-reduced) over the mesh axes on
+which it is ``Shard``-ed or ``_StridedShard``-ed (FSDP2 over TP) (not
 over ``Replicate`` axes, where every rank holds the same values). Gradients
 are bucketed by (mesh, sharded axes) so the number of collectives is the
 number of such buckets (one for a plain FSDP model), never the number of
@@ -29,12 +31,14 @@ caller checks ``torch.isfinite(norm)`` to skip it (the example loop does).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,8 @@ class ClipStats:
     """What one clipping call saw and did."""
 
     total_norm: torch.Tensor
-    """Global L2 norm before clipping: a plain 0-d float32 tensor, equal on
-    every rank."""
+    """Global ``norm_type`` norm before clipping: a plain 0-d float32
+    tensor, equal on every rank."""
     clip_coef: torch.Tensor
     """The 0-d factor every gradient was multiplied by (1.0: not clipped)."""
     num_tensors: int
@@ -89,7 +93,7 @@ def _norm_entries(grads: list[torch.Tensor]) -> tuple[list[tuple], int]:
             entries.append(((None, ()), grad, grad))
             continue
         local = grad.to_local()
-        sharded = tuple(a for a, p in enumerate(grad.placements) if p.is_shard())
+        sharded = tuple(a for a, p in enumerate(grad.placements) if _is_shard(p))
         entries.append(((grad.device_mesh, sharded), local, local))
         pending = tuple((a, p.reduce_op) for a, p in enumerate(grad.placements) if p.is_partial())
         if pending:
@@ -109,31 +113,47 @@ def _norm_entries(grads: list[torch.Tensor]) -> tuple[list[tuple], int]:
     return entries, collectives
 
 
-def _global_sq_norm(entries: list[tuple], *, check_replicated: bool) -> tuple[torch.Tensor, int]:
+def _is_shard(placement) -> bool:
+    """Whether the local tensors along this axis hold different elements.
+    FSDP2 over a TP-split weight shards it ``_StridedShard``, which in torch
+    2.13 is not a ``Shard`` and answers ``is_shard()`` False: counting only
+    ``Shard`` would skip the dp axis and give each dp rank its own norm."""
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def _global_norm_power(
+    entries: list[tuple], norm_type: float, *, check_replicated: bool
+) -> tuple[torch.Tensor, int]:
+    """``sum |g|^p`` over every gradient element of every rank (``max |g|``
+    for ``p = inf``), before the ``1/p`` root."""
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for key, local, _ in entries:
         buckets.setdefault(key, []).append(local)
     device = entries[0][1].device if entries else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
+    is_inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     collectives = 0
     # Sorted so that every rank reduces buckets in the same order.
     for (mesh, axes), tensors in sorted(buckets.items(), key=_bucket_order):
         # Accumulate in fp32 whatever the gradients' dtype (bf16 norms lose digits).
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
-        sq = torch.stack([n.to(device) for n in norms]).pow(2).sum()
+        norms = torch.stack(
+            [n.to(device) for n in torch._foreach_norm(tensors, norm_type, dtype=torch.float32)]
+        )
+        part = norms.max() if is_inf else norms.pow(norm_type).sum()
         if mesh is None and check_replicated:
-            collectives += _check_replicated(sq, len(tensors))
+            collectives += _check_replicated(part, len(tensors))
         if mesh is not None:
-            sq = sq.to(tensors[0].device)
+            part = part.to(tensors[0].device)
             for axis in axes:
-                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
+                dist.all_reduce(part, op=op, group=mesh.get_group(axis))
                 collectives += 1
-        total = total + sq.to(device)
+        total = torch.maximum(total, part.to(device)) if is_inf else total + part.to(device)
     return total, collectives
 
 
 def _check_replicated(sq: torch.Tensor, count: int) -> int:
-    """Raise unless every rank's plain gradients have the same squared norm
+    """Raise unless every rank's plain gradients have the same norm power
     (one all-reduce and a host sync: run once, not every step)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return 0
@@ -143,7 +163,7 @@ def _check_replicated(sq: torch.Tensor, count: int) -> int:
     if high - low > 1e-5 * high:
         raise ValueError(
             f"the gradients of {count} plain (non-DTensor) parameters differ across ranks "
-            f"(squared norm {low:.6g} to {high:.6g}): nothing synchronises them. Clip only "
+            f"(norm power {low:.6g} to {high:.6g}): nothing synchronises them. Clip only "
             "the wrapped model's parameters, or wrap the module that holds these."
         )
     return 1
@@ -166,10 +186,12 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float | None,
     *,
+    norm_type: float = 2.0,
     eps: float = 1e-6,
     check_replicated: bool = False,
 ) -> ClipStats:
-    """Scale all gradients in place so that their global L2 norm is at most
+    """Scale all gradients in place so that their global ``norm_type`` norm
+    (2, 1, ``inf`` or any positive p, as torch's keyword) is at most
     ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on one process.
 
     ``max_norm=None`` (or ``inf``) only measures the norm. The coefficient
@@ -181,14 +203,18 @@ def clip_grad_norm_(
     every rank (the strategies do on their first call).
 
     Raises:
-        ValueError: ``max_norm`` is not None and not a positive number, or
-            ``check_replicated`` found plain gradients that differ across ranks.
+        ValueError: ``max_norm`` is not None and not a positive number, a
+            ``norm_type`` that is not positive, or ``check_replicated`` found
+            plain gradients that differ across ranks.
     """
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r} must be positive, or None for no clipping")
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
     entries, reduced = _norm_entries(unique_grads(parameters))
-    sq, collectives = _global_sq_norm(entries, check_replicated=check_replicated)
-    total = sq.sqrt()
+    power, collectives = _global_norm_power(entries, norm_type, check_replicated=check_replicated)
+    total = power if math.isinf(norm_type) else power.pow(1.0 / norm_type)
     if max_norm is None or max_norm == float("inf"):
         coef = torch.ones((), dtype=torch.float32, device=total.device)
     else:

@@ -184,6 +184,12 @@ class FSDPSettings:
     divisible by 2 x cp) or ``auto`` (Ulysses when the heads allow, else ring
     on GPUs)."""
 
+    loss_parallel: bool = False
+    """Under tensor parallelism, keep the output head's logits split over the
+    vocabulary (a DTensor) for a cross-entropy computed inside
+    ``ctx.loss_parallel()``, backward included: no rank holds the full
+    ``batch x seq x vocab`` logits. False gathers them (plain tensors)."""
+
     use_dmuon: bool = False
     """Train with the distributed Muon runtime (:mod:`ray_fsdp_backend.dmuon`).
     Needs ``use_fsdp``."""
@@ -332,6 +338,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "sequence_parallel": (bool, type(None)),
     "context_parallel_size": (int,),
     "context_parallel_backend": (str,),
+    "loss_parallel": (bool,),
     "use_dmuon": (bool,),
     "fsdp_block_classes": (tuple,),
     "compile": (bool, str),
@@ -436,6 +443,11 @@ def _check_tensor_parallel(cfg: FSDPSettings) -> None:
     tp = cfg.tensor_parallel_size
     if tp < 1:
         raise ValueError(f"tensor_parallel_size={tp!r} must be a positive int")
+    if cfg.loss_parallel and tp == 1:
+        raise ValueError(
+            "loss_parallel=True needs tensor_parallel_size > 1 (it splits the logits over the "
+            "tp group)"
+        )
     if cfg.sequence_parallel and tp == 1:
         raise ValueError(
             "sequence_parallel=True needs tensor_parallel_size > 1 (it splits activations "

@@ -84,11 +84,20 @@ class TrainContext:
         each sequence this rank holds."""
         return self.layout.coordinates(self.world_rank).get(CP_AXIS, 0)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, *, tp_plan: dict | None = None) -> nn.Module:
         """Shard (FSDP2/HSDP) or replicate (DDP) ``model`` as configured; with
-        ``context_parallel_size > 1`` its attention first becomes Ulysses (or
-        ring) over the cp group and a transformers model's cache is turned off."""
-        return self.strategy.wrap(model)
+        ``tensor_parallel_size > 1`` first split it over the tp group by
+        ``tp_plan`` (``{module pattern: "colwise" | "rowwise" | ...}``) or the
+        model's own plan; with ``context_parallel_size > 1`` its attention
+        becomes Ulysses (or ring) over the cp group and a transformers model's
+        cache is turned off. See docs/parallelism.md."""
+        return self.strategy.wrap(model, tp_plan=tp_plan)
+
+    def loss_parallel(self):
+        """Context manager for the loss and its backward: torch's
+        ``loss_parallel`` when ``loss_parallel`` keeps the logits split over
+        the vocabulary, else a no-op (so loops can always use it)."""
+        return self.strategy.loss_parallel()
 
     def shard_sequence(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This cp rank's part of every ``[batch, seq]`` tensor in ``batch``
@@ -114,11 +123,15 @@ class TrainContext:
         model: nn.Module,
         max_norm: float | None,
         *,
+        norm_type: float = 2.0,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
-        """One global-norm clip over all gradients (``max_norm=None``: measure
-        only); returns the pre-clip norm. Skip the step when it is not finite."""
-        return self.strategy.clip_grad_norm(model, max_norm, optimizer=optimizer)
+        """One global-norm clip over all gradients, on every mesh (``norm_type``
+        as torch's: 2, 1, inf, any p; ``max_norm=None``: measure only);
+        returns the pre-clip norm. Skip the step when it is not finite."""
+        return self.strategy.clip_grad_norm(
+            model, max_norm, norm_type=norm_type, optimizer=optimizer
+        )
 
     def no_sync(self, model: nn.Module):
         """Context manager for accumulation micro-batches."""

@@ -42,9 +42,7 @@ def export_peft(model: nn.Module, path: str, *, dtype: torch.dtype | None = None
     inner = unwrap(model)
     configs = peft_configs(inner)
     if not configs:
-        raise ValueError(
-            f"export_model format='peft': {type(inner).__name__} has no PEFT adapters"
-        )
+        raise ValueError(f"export_model format='peft': {type(inner).__name__} has no PEFT adapters")
     params = dict(inner.named_parameters())
     names = peft_names(inner, list(params))
     per_adapter: dict[str, dict[str, torch.Tensor]] = {a: {} for a in configs}

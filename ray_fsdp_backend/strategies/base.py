@@ -32,8 +32,9 @@ class DistributionStrategy(ABC):
         self._last_clip: ClipStats | None = None
 
     @abstractmethod
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``model`` for this strategy and place it on ``device``."""
+    def wrap(self, model: torch.nn.Module, *, tp_plan: dict | None = None) -> torch.nn.Module:
+        """Wrap ``model`` for this strategy and place it on ``device``;
+        ``tp_plan`` overrides the model's tensor-parallel plan (FSDP only)."""
 
     @abstractmethod
     def no_sync(self, model: torch.nn.Module) -> AbstractContextManager:
@@ -44,6 +45,19 @@ class DistributionStrategy(ABC):
     @abstractmethod
     def params_sharded(self) -> bool:
         """Whether each rank holds only a shard of the parameters."""
+
+    def _refuse_tp_plan(self, tp_plan) -> None:
+        if tp_plan is not None:
+            raise ValueError(
+                "wrap(tp_plan=...) needs tensor_parallel_size > 1 under FSDP; "
+                f"{type(self).__name__} with tensor_parallel_size="
+                f"{self.config.tensor_parallel_size} splits no layer"
+            )
+
+    def loss_parallel(self) -> AbstractContextManager:
+        """Where the loss and its backward run; a no-op unless the config
+        asks for loss parallelism (FSDP with tensor parallelism)."""
+        return contextlib.nullcontext()
 
     def autocast(self) -> AbstractContextManager:
         """A no-op kept for loops written against earlier versions, where DDP
@@ -62,11 +76,12 @@ class DistributionStrategy(ABC):
         model: torch.nn.Module,
         max_norm: float | None,
         *,
+        norm_type: float = 2.0,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
         """Clip all gradients of ``model`` (and of ``optimizer``'s parameters,
-        when given) to one global L2 norm of at most ``max_norm`` (None: only
-        measure it).
+        when given) to one global ``norm_type`` norm (torch's keyword: 2, 1,
+        inf, any p) of at most ``max_norm`` (None: only measure it).
 
         Returns the global norm before clipping, a 0-d float32 tensor equal on
         every rank; when it is not finite, skip the optimizer step (see
@@ -78,6 +93,6 @@ class DistributionStrategy(ABC):
             params += [p for group in optimizer.param_groups for p in group["params"]]
         # The first call also checks that plain gradients are equal on all ranks.
         self._last_clip = clip_grad_norm_(
-            params, max_norm, check_replicated=self._last_clip is None
+            params, max_norm, norm_type=norm_type, check_replicated=self._last_clip is None
         )
         return self._last_clip.total_norm

@@ -61,7 +61,8 @@ class DDPStrategy(DistributionStrategy):
     def params_sharded(self) -> bool:
         return False
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, *, tp_plan: dict | None = None) -> nn.Module:
+        self._refuse_tp_plan(tp_plan)
         if self.config.compiles_on(self.device.type):
             blocks = find_blocks(model, self.config.fsdp_block_classes)
             apply_compile(model, blocks, required=self.config.compile is True)

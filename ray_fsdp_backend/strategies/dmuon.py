@@ -20,5 +20,6 @@ class DMuonFSDPStrategy(FSDPStrategy):
     ``ray_fsdp_backend.dmuon.Muon(strategy.wrap(model), lr=...)``.
     """
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, *, tp_plan: dict | None = None) -> nn.Module:
+        self._refuse_tp_plan(tp_plan)  # the config refuses DMuon with TP
         return self._wrap(model, use_dmuon=True)

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import (
 )
 
 from ray_fsdp_backend.context_parallel.apply import apply_context_parallel, attention_heads
-from ray_fsdp_backend.mesh import data_parallel_mesh
+from ray_fsdp_backend.mesh import data_parallel_mesh, tensor_parallel_mesh
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
     apply_activation_checkpointing,
@@ -166,17 +166,59 @@ class FSDPStrategy(DistributionStrategy):
     def params_sharded(self) -> bool:
         return True
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """``mesh["tp"]``, or None without tensor parallelism."""
+        return tensor_parallel_mesh(self.mesh)
+
+    def wrap(self, model: nn.Module, *, tp_plan: dict | None = None) -> nn.Module:
+        if self.tp_mesh is None:
+            self._refuse_tp_plan(tp_plan)
+        else:
+            self._apply_tensor_parallel(model, tp_plan)
         return self._wrap(model, use_dmuon=False)
+
+    def _apply_tensor_parallel(self, model: nn.Module, tp_plan: dict | None) -> None:
+        """Split ``model`` over the tp mesh (before blocks are compiled,
+        checkpointed and sharded: torchtitan's order)."""
+        from ray_fsdp_backend.strategies.tensor_parallel import (
+            TPOptions,
+            apply_tensor_parallel,
+            resolve_tp_plan,
+        )
+
+        if callable(getattr(model, "convert_to_fsdp", None)):
+            raise ValueError(
+                f"tensor_parallel_size={self.config.tensor_parallel_size}: {type(model).__name__} "
+                "shards itself through convert_to_fsdp, which takes no tp mesh; wrap a model "
+                "without that hook"
+            )
+        sequence_parallel = self.config.sequence_parallel_enabled
+        if sequence_parallel and not getattr(model, "supports_sequence_parallel", False):
+            if self.config.sequence_parallel:
+                raise ValueError(
+                    f"sequence_parallel=True: {type(model).__name__} does not declare "
+                    "supports_sequence_parallel (transformers models derive positions from the "
+                    "hidden states' length); set sequence_parallel: false"
+                )
+            _logger.info("sequence parallel off: %s does not support it", type(model).__name__)
+            sequence_parallel = False
+        options = TPOptions(sequence_parallel, self.config.loss_parallel)
+        apply_tensor_parallel(model, self.tp_mesh, resolve_tp_plan(model, tp_plan), options)
+
+    def loss_parallel(self) -> AbstractContextManager:
+        """torch's ``loss_parallel`` when the config keeps logits split over
+        the vocabulary, else a no-op: compute the loss and call backward in it."""
+        if not self.config.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def _wrap(self, model: nn.Module, *, use_dmuon: bool) -> nn.Module:
         """Shard ``model`` with its own ``convert_to_fsdp`` hook when it has one
         (the seed's adapter interface), else with the per-block policy; then
         materialise it if it was built on the meta device."""
-        if self.config.tensor_parallel_size > 1:
-            raise NotImplementedError(
-                "tensor_parallel_size > 1: the mesh is laid out, the TP plan is not applied yet"
-            )
         policy = resolve_fsdp_policy(self.config, self.device)
         context_parallel = self.config.context_parallel_size > 1
         if context_parallel:

@@ -220,10 +220,11 @@ class Attention(ContextParallelAttention):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, position_ids: torch.Tensor | None = None):
+        # Heads as -1: under tensor parallelism this rank holds n_heads / tp of them.
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = self.attention_fn(q, k, v, position_ids=position_ids)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
@@ -259,6 +260,23 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder-only language model: ``forward(tokens) -> logits``, ``loss(tokens, targets)``."""
+
+    _tp_plan = {
+        "tok_embeddings": "embedding_rowwise",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "output": "colwise_gather_output",
+    }
+    """How tensor parallelism splits it (transformers' style names)."""
+
+    supports_sequence_parallel = True
+    """Nothing reads the sequence length off the hidden states between the
+    embedding and the head, so they may stay split along the sequence."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

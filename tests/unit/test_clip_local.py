@@ -53,3 +53,20 @@ def test_no_limit_measures_and_leaves_gradients(max_norm):
 def test_non_positive_limit_is_an_error(max_norm):
     with pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm_(_params(torch.ones(2)), max_norm)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, 0.5, float("inf")])
+def test_every_norm_type_matches_torch(norm_type):
+    g = torch.Generator().manual_seed(0)
+    grads = (torch.randn(3, 4, generator=g) * 3, torch.randn(5, generator=g))
+    ours, ref = _pair(*grads)
+    expected = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type=norm_type)
+    stats = clip_grad_norm_(ours, 0.5, norm_type=norm_type)
+    torch.testing.assert_close(stats.total_norm, expected)
+    for p, r in zip(ours, ref, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_non_positive_norm_type_is_an_error():
+    with pytest.raises(ValueError, match="norm_type=0.0 must be positive or inf"):
+        clip_grad_norm_(_params(torch.ones(2)), 1.0, norm_type=0)

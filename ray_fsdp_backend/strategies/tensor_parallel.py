@@ -1,0 +1,288 @@
+"""Tensor parallelism: split each layer over the ``tp`` mesh axis before FSDP2.
+
+A plan maps module names to how each is split, in transformers' vocabulary
+(``{"layers.*.self_attn.q_proj": "colwise", ...}``, ``*`` standing for one
+name component). It comes from ``ctx.wrap(model, tp_plan=...)``, else from
+the model: a transformers model's ``_tp_plan`` (its class's ``lm_head`` entry
+merged with ``config.base_model_tp_plan``), or the example decoder's own
+``_tp_plan``. Every entry becomes a ``torch.distributed.tensor.parallel``
+style and :func:`parallelize_module` applies them (torchtitan's order: TP,
+then activation checkpointing, compile, ``fully_shard`` on the dp sub-mesh).
+
+Parameters the plan does not split (norms, biases of unplanned modules)
+become ``Replicate`` DTensors on the tp mesh, so every parameter lives on the
+same root mesh and ``foreach`` optimizers and the global clip see no mixed
+meshes (pytorch#134212).
+
+Sequence parallel (``sequence_parallel``) keeps the residual stream split
+along the sequence between the planned layers: the embedding reduce-scatters
+its output, norms run on their sequence shard (``SequenceParallel``), the
+module that holds column-wise layers (attention, MLP) all-gathers its input
+once, and row-wise outputs are reduce-scattered. It needs a model that does
+not read the sequence length off its hidden states: the example decoder
+declares ``supports_sequence_parallel``; transformers models derive position
+ids from the embedding output's length, so they run without it.
+
+Loss parallel (``loss_parallel``) keeps the output head's logits split over
+the vocabulary (a ``Shard(-1)`` DTensor); the cross-entropy and its backward
+then run inside ``ctx.loss_parallel()`` (torch's ``loss_parallel``) without
+gathering the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+_logger = logging.getLogger(__name__)
+
+COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
+ROWWISE = ("rowwise", "rowwise_rep", "local_rowwise")
+EMBEDDING = ("embedding_rowwise",)
+GATHER_OUTPUT = ("colwise_rep", "colwise_gather_output")
+STYLE_NAMES = COLWISE + ROWWISE + EMBEDDING + ("sequence_parallel", "replicate")
+"""The plan values understood (transformers' names)."""
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """How the plan's styles are built."""
+
+    sequence_parallel: bool
+    loss_parallel: bool
+
+
+def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, object] | None) -> dict:
+    """The plan to apply: ``tp_plan`` if given, else the model's ``_tp_plan``.
+
+    Raises:
+        ValueError: no plan anywhere, or a style name not in ``STYLE_NAMES``.
+    """
+    plan = tp_plan if tp_plan is not None else getattr(model, "_tp_plan", None)
+    if not plan:
+        raise ValueError(
+            f"tensor_parallel_size > 1 but {type(model).__name__} has no tensor-parallel plan "
+            "(no _tp_plan, no config.base_model_tp_plan): pass ctx.wrap(model, tp_plan={...}) "
+            "mapping module names to 'colwise' / 'rowwise' / 'colwise_gather_output' / "
+            "'embedding_rowwise'"
+        )
+    for name, style in plan.items():
+        if not isinstance(style, ParallelStyle) and style not in STYLE_NAMES:
+            raise ValueError(
+                f"tp_plan[{name!r}]={style!r} is not one of {', '.join(STYLE_NAMES)} "
+                "(or a torch ParallelStyle)"
+            )
+    return dict(plan)
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, object]:
+    """``{module name: style}`` for every module a plan pattern names."""
+    patterns = [(re.compile(_pattern_regex(p)), style) for p, style in plan.items()]
+    matched = {}
+    for name, _ in model.named_modules():
+        for regex, style in patterns:
+            if name and regex.fullmatch(name):
+                matched[name] = style
+    return matched
+
+
+def _pattern_regex(pattern: str) -> str:
+    return r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
+
+
+def check_tp_divisibility(model: nn.Module, matched: Mapping[str, object], tp: int) -> None:
+    """Refuse, with the numbers, a model whose heads or split dimensions
+    ``tp`` does not divide. Reads shapes only: works on a meta model.
+
+    Raises:
+        ValueError: naming every dimension that does not divide.
+    """
+    problems = [f"{k}={v}" for k, v in model_head_counts(model).items() if v % tp]
+    modules = dict(model.named_modules())
+    for name, style in matched.items():
+        size = _split_size(modules[name], style)
+        if size is not None and size[1] % tp:
+            problems.append(f"{name}.{size[0]}={size[1]}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide {', '.join(problems)} of "
+            f"{type(model).__name__}: every split dimension and head count must be a multiple of "
+            "the tp size"
+        )
+
+
+def _split_size(module: nn.Module, style) -> tuple[str, int] | None:
+    if isinstance(module, nn.Embedding) and style in EMBEDDING:
+        return "num_embeddings", module.num_embeddings
+    if isinstance(module, nn.Linear) and style in COLWISE:
+        return "out_features", module.out_features
+    if isinstance(module, nn.Linear) and style in ROWWISE:
+        return "in_features", module.in_features
+    return None
+
+
+def model_head_counts(model: nn.Module) -> dict[str, int]:
+    """Attention head counts from a transformers ``config`` or the example
+    decoder's ``cfg`` (those a tp group splits)."""
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)
+    keys = ("num_attention_heads", "num_key_value_heads", "n_heads", "kv_heads")
+    counts = {}
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            counts[key] = value
+    return counts
+
+
+def build_styles(matched: Mapping[str, object], options: TPOptions) -> dict[str, ParallelStyle]:
+    """The torch style for every matched module name."""
+    return {name: _style(style, options) for name, style in matched.items()}
+
+
+def _style(style, options: TPOptions) -> ParallelStyle:
+    if isinstance(style, ParallelStyle):
+        return style
+    sp = options.sequence_parallel
+    seq = Shard(1)
+    if style in GATHER_OUTPUT:  # the output head
+        return ColwiseParallel(
+            input_layouts=seq if sp else Replicate(),
+            output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
+            use_local_output=not options.loss_parallel,
+        )
+    if style in COLWISE:
+        return ColwiseParallel()
+    if style in ROWWISE:
+        return RowwiseParallel(output_layouts=seq if sp else Replicate())
+    if style in EMBEDDING:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    if style == "sequence_parallel":
+        return SequenceParallel(use_local_output=True)
+    return _ReplicateStyle()
+
+
+class _ReplicateStyle(ParallelStyle):
+    """Parameters ``Replicate`` on the tp mesh; plain tensors in and out."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=lambda _m, inputs, mesh: tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            ),
+            output_fn=lambda _m, out, _mesh: out.to_local() if isinstance(out, DTensor) else out,
+        )
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, object], options: TPOptions
+) -> nn.Module:
+    """Split ``model`` over ``tp_mesh`` by ``plan`` in place (meta or real
+    weights: each rank keeps its slice) and return it.
+
+    Unplanned parameters become replicated on ``tp_mesh``; with sequence
+    parallelism those outside column-wise parents (the norms) run on
+    sequence shards. Weights tied before (an output head that is the
+    embedding) are tied again when both halves end up with the same layout,
+    and untied with a warning otherwise.
+
+    Raises:
+        ValueError: a head count or split dimension ``tp`` does not divide.
+    """
+    matched = match_plan(model, plan)
+    check_tp_divisibility(model, matched, tp_mesh.size())
+    ties = _tied_parameters(model)
+    styles = build_styles(matched, options)
+    parents = sorted({n.rpartition(".")[0] for n, s in matched.items() if s in COLWISE})
+    parents = [p for p in parents if p and p not in matched]
+    for name in _unplanned_parameter_modules(model, matched):
+        inside = any(name.startswith(p + ".") for p in parents)
+        sp_norm = options.sequence_parallel and not inside
+        styles[name] = SequenceParallel(use_local_output=True) if sp_norm else _ReplicateStyle()
+    parallelize_module(model, tp_mesh, styles)
+    if options.sequence_parallel:
+        modules = dict(model.named_modules())
+        for name in parents:
+            modules[name].register_forward_pre_hook(
+                _gather_sequence_hook(tp_mesh), with_kwargs=True
+            )
+    _retie(model, ties)
+    return model
+
+
+def _unplanned_parameter_modules(model: nn.Module, matched) -> list[str]:
+    """Modules holding parameters directly that no plan entry (or an
+    ancestor's) covers."""
+    out = []
+    for name, module in model.named_modules():
+        covered = any(name == m or name.startswith(m + ".") for m in matched)
+        if not covered and any(True for _ in module.parameters(recurse=False)):
+            out.append(name)
+    return out
+
+
+def _gather_sequence_hook(tp_mesh: DeviceMesh):
+    """Forward pre-hook: all-gather the sequence-sharded hidden states (the
+    first positional tensor, or ``hidden_states=``) so the column-wise layers
+    inside see the whole sequence; backward reduce-scatters."""
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        dt = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+        return dt.redistribute(tp_mesh, [Replicate()]).to_local()
+
+    def hook(_module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (gather(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+        return None
+
+    return hook
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that share one parameter."""
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module.named_parameters(recurse=False):
+            by_id.setdefault(id(p), []).append((module, attr))
+    return [group for group in by_id.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, ties) -> None:
+    for group in ties:
+        first = getattr(*group[0])
+        for module, attr in group[1:]:
+            other = getattr(module, attr)
+            same = getattr(first, "placements", None) == getattr(other, "placements", None)
+            if same and first.shape == other.shape:
+                setattr(module, attr, first)
+            else:
+                _logger.warning(
+                    "tensor parallel: %s.%s was tied but is split differently (%s vs %s); "
+                    "it is trained untied",
+                    type(module).__name__,
+                    attr,
+                    getattr(first, "placements", None),
+                    getattr(other, "placements", None),
+                )
