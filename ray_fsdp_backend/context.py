@@ -236,18 +236,30 @@ class TrainContext:
         self,
         model: nn.Module,
         path: str,
+        *,
+        filesystem=None,
         format: str = "hf",
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
     ) -> str:
         """Write the full weights: by default a Hugging Face directory (sharded
-        safetensors, index, ``config.json``) that ``from_pretrained`` loads, each
-        rank writing what it owns; a path ending in ``.safetensors`` (or
-        ``format="safetensors"``) gives one file from rank 0. Every rank calls
-        it; returns ``path``. See :func:`ray_fsdp_backend.hf.export_model`."""
+        safetensors, index, ``config.json``, the tokenizer files of the
+        checkpoint ``load_pretrained`` read) that ``from_pretrained`` loads,
+        each rank writing its files straight into the store; a path ending in
+        ``.safetensors`` (or ``format="safetensors"``) gives one file from rank
+        0. ``path`` is local, a URI (``s3://``, ``gs://``) or a path on
+        ``filesystem``. Every rank calls it; returns ``path``. See
+        :func:`ray_fsdp_backend.hf.export_model`."""
         from ray_fsdp_backend.hf import export_model
 
-        return export_model(model, path, format=format, max_shard_size=max_shard_size, dtype=dtype)
+        return export_model(
+            model,
+            path,
+            filesystem=filesystem,
+            format=format,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+        )
 
     def load_pretrained(self, model: nn.Module, path: str, *, filesystem=None, key_map=None):
         """Load Hugging Face safetensors weights (a directory, a file, a URI or a

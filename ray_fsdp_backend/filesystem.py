@@ -57,3 +57,14 @@ def to_fsspec(filesystem: pafs.FileSystem):
     from fsspec.implementations.arrow import ArrowFSWrapper
 
     return ArrowFSWrapper(filesystem)
+
+
+def compute_spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges merged where they touch or overlap, sorted."""
+    spans: list[list[int]] = []
+    for offset, length in sorted(ranges):
+        if spans and offset <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], offset + length)
+        else:
+            spans.append([offset, offset + length])
+    return [(start, end - start) for start, end in spans]

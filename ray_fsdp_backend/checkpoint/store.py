@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ray_fsdp_backend.checkpoint.layout import MARKER_NAME, parse_seq
-from ray_fsdp_backend.filesystem import to_fsspec
+from ray_fsdp_backend.filesystem import compute_spans, to_fsspec
 from ray_fsdp_backend.retrying_fs import unwrap, with_retries
 
 
@@ -215,17 +215,6 @@ def _ranged_reader_class():
             return io.BytesIO(file.read(sinfo.length))
 
     return RangedReader
-
-
-def compute_spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(offset, length)`` ranges merged where they touch or overlap, sorted."""
-    spans: list[list[int]] = []
-    for offset, length in sorted(ranges):
-        if spans and offset <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], offset + length)
-        else:
-            spans.append([offset, offset + length])
-    return [(start, end - start) for start, end in spans]
 
 
 def _fetch_spans(fs, root, infos) -> dict[str, list[tuple[int, bytes]]]:

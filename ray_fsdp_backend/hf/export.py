@@ -1,98 +1,185 @@
-"""Export a model's full weights: Hugging Face layout (:mod:`.writer`) or
-one safetensors file."""
+"""Export a model's full weights: Hugging Face layout or one safetensors file.
+
+``export_model`` resolves where to write (a local path, a URI, or a path on a
+``pyarrow.fs`` filesystem, as ``load_pretrained`` reads) and the dtype, then
+runs the exporter of the format from :data:`EXPORTERS` (format name ->
+function ``(model, fs, root, *, max_shard_size, dtype) -> None``, collective).
+The files are written by :mod:`.writer`: every rank streams its planned files
+straight into the store.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import posixpath
+import tempfile
+from collections.abc import Callable
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
+from ray_fsdp_backend.hf.keys import export_keys
+from ray_fsdp_backend.hf.load import loaded_from
+from ray_fsdp_backend.hf.peft_export import export_peft, merge_adapters
+from ray_fsdp_backend.hf.reader import INDEX_NAME, is_metadata_file
+from ray_fsdp_backend.hf.writer import (
+    FilePlan,
+    barrier,
+    export_dtype,
+    parse_size,
+    plan_export,
+    write_bytes,
+    write_files,
+)
+from ray_fsdp_backend.strategies.peft import is_peft_model, unwrap
+
+Exporter = Callable[..., None]
+# Written by the export itself, never copied from the source checkpoint.
+_OURS = {INDEX_NAME, "config.json", "generation_config.json"}
 
 
 def export_model(
     model: nn.Module,
     path: str | os.PathLike,
     *,
+    filesystem: pafs.FileSystem | None = None,
     format: str = "hf",
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
 ) -> str:
     """Write the full weights of ``model`` (FSDP2, HSDP, DDP or plain) to ``path``.
 
-    ``format="hf"``: directory ``path`` in Hugging Face layout, sharded
-    safetensors of at most ``max_shard_size``, their index and, for a
-    ``transformers`` model, ``config.json`` and ``generation_config.json``:
-    ``AutoModelForCausalLM.from_pretrained(path)`` loads it (a PEFT model's
-    adapters merged into the base weights). Each rank writes
-    what it owns; no rank gathers the model. ``dtype`` defaults to the dtype
-    of the weights ``load_pretrained`` read, else the parameters' dtype.
-    ``format="safetensors"`` (also chosen by a ``path`` ending in
-    ``.safetensors``): one file, see :func:`export_single_file`. Collective:
-    every rank calls it; returns ``path`` once complete. ``format="peft"``:
-    a PEFT model's adapters as ``PeftModel.from_pretrained`` reads them
-    (:mod:`.peft_export`).
+    ``path`` is a local path, a URI (``s3://``, ``gs://``) or a path on
+    ``filesystem`` (a ``pyarrow.fs.FileSystem``, as Ray's
+    ``RunConfig(storage_filesystem=)``). ``format="hf"``: directory ``path``
+    in Hugging Face layout, sharded safetensors of at most ``max_shard_size``,
+    their index and, for a ``transformers`` model, ``config.json``,
+    ``generation_config.json`` and the tokenizer and chat-template files of
+    the checkpoint ``load_pretrained`` read: ``from_pretrained(path)`` and
+    ``AutoTokenizer.from_pretrained(path)`` load it. Each rank writes its
+    files straight into the store; the index and configs come last, so a
+    reader never sees an index naming missing files. A PEFT model is written
+    with its adapters merged into the base weights (:mod:`.peft_export`).
+    ``format="peft"``: a PEFT model's adapters as
+    ``PeftModel.from_pretrained`` reads them. ``dtype`` (floating-point
+    tensors only) defaults to the dtype of the weights ``load_pretrained``
+    read, else the parameters' dtype. ``format="safetensors"`` (also chosen
+    by a ``path`` ending in ``.safetensors``): one file written by rank 0,
+    every state key under its own name (tied weights repeated).
+    Collective: every rank calls it; returns ``path`` once complete.
 
     Raises:
-        ValueError: an unknown ``format`` or a bad ``max_shard_size``.
+        ValueError: an unknown ``format``, a bad ``max_shard_size``, or a URI
+            whose scheme ``pyarrow`` does not know (before anything is written).
     """
-    path = os.fspath(path)
-    if format not in ("hf", "safetensors", "peft"):
-        raise ValueError(f"export_model format={format!r} is not one of hf, safetensors, peft")
-    if format == "peft":
-        from ray_fsdp_backend.hf.peft_export import export_peft
-
-        return export_peft(model, path, dtype=dtype)
-    if format == "hf" and not path.endswith(".safetensors"):
-        from ray_fsdp_backend.hf.load import pretrained_dtype
-        from ray_fsdp_backend.hf.writer import export_hf
-
-        dtype = dtype or pretrained_dtype(model) or next(model.parameters()).dtype
-        return export_hf(model, path, max_shard_size=max_shard_size, dtype=dtype)
-    return export_single_file(model, path, dtype=dtype)
+    text = os.fspath(path)
+    if format not in EXPORTERS:
+        raise ValueError(f"export_model format={format!r} is not one of {', '.join(EXPORTERS)}")
+    if format == "hf" and text.endswith(".safetensors"):
+        format = "safetensors"
+    parse_size(max_shard_size)
+    fs, root = resolve_filesystem(text, filesystem)
+    source = loaded_from(model)
+    if dtype is None:
+        dtype = source.dtype if source and source.dtype else next(model.parameters()).dtype
+    EXPORTERS[format](model, fs, root, max_shard_size=max_shard_size, dtype=dtype)
+    return text
 
 
-def export_single_file(
-    model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None
-) -> str:
-    """Gather the full state dict of ``model`` (FSDP2, HSDP, DDP or plain) and
-    write it once, from rank 0, as a safetensors file at ``path``.
-
-    Keys are the plain model's (no ``module.`` prefix), so
-    ``model.load_state_dict(safetensors.torch.load_file(path))`` works on an
-    unwrapped model without this package and without unpickling. Tied weights
-    are stored under each of their names. Collective: every rank calls it; it
-    returns ``path`` after the file is complete.
-    """
-    path = os.fspath(path)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    if dtype is not None:
-        state = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        write_safetensors(state, path)
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+def export_hf(
+    model: nn.Module, fs: pafs.FileSystem, root: str, *, max_shard_size, dtype: torch.dtype
+) -> None:
+    """Hugging Face layout in directory ``root`` of ``fs`` (see
+    :func:`export_model`)."""
+    inner = unwrap(model)
+    state = get_model_state_dict(model)
+    state = {k: state[k] for k in export_keys(inner, state)}
+    if is_peft_model(inner):  # adapters merged into the base, under the base's names
+        state = merge_adapters(inner, state)
+    files = _plan(state, dtype, parse_size(max_shard_size))
+    if is_local(fs):
+        fs.create_dir(root, recursive=True)
+    write_files(fs, root, state, files, dtype)
+    barrier()
+    if _rank() == 0:
+        _copy_tokenizer_files(model, fs, root)
+        _save_hf_config(inner, fs, root, dtype)
+        write_bytes(fs, posixpath.join(root, INDEX_NAME), _index(state, files, dtype))
+    barrier()
 
 
-def write_safetensors(state: dict, path: str) -> None:
-    """Write the tensors of ``state`` to ``path`` (a temporary file renamed
-    into place, so a crash never leaves a truncated export)."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        value = value.detach().cpu().contiguous()
-        # safetensors refuses tensors sharing storage (tied weights): copy repeats.
-        if value.data_ptr() in seen:
-            value = value.clone()
-        seen.add(value.data_ptr())
-        tensors[key] = value
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
+def export_safetensors(
+    model: nn.Module, fs: pafs.FileSystem, root: str, *, max_shard_size, dtype: torch.dtype
+) -> None:
+    """One safetensors file at ``root``, every state key (tied weights under
+    each name), so ``model.load_state_dict(safetensors.torch.load_file(path))``
+    works on the unwrapped model without this package and without unpickling."""
+    state = get_model_state_dict(model)
+    if is_local(fs):
+        fs.create_dir(posixpath.dirname(root), recursive=True)
+    write_files(fs, "", state, [FilePlan(root, tuple(state), owner=0)], dtype)
+    barrier()
+
+
+EXPORTERS: dict[str, Exporter] = {
+    "hf": export_hf,
+    "safetensors": export_safetensors,
+    "peft": export_peft,
+}
+
+
+def _plan(state: dict, dtype: torch.dtype, max_bytes: int) -> list[FilePlan]:
+    sizes = {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return plan_export(sizes, max_bytes, world)
+
+
+def _index(state: dict, files: list[FilePlan], dtype: torch.dtype) -> bytes:
+    sizes = {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+    weight_map = {k: f.name for f in files for k in f.keys}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    return json.dumps(index, indent=2, sort_keys=True).encode()
+
+
+def _copy_tokenizer_files(model: nn.Module, fs: pafs.FileSystem, root: str) -> None:
+    """The tokenizer and chat-template files beside the weights
+    ``load_pretrained`` read (top-level small files, never weights or configs)."""
+    source = loaded_from(model)
+    if source is None:
+        return
+    src_fs, src_root = source.filesystem, source.path
+    if src_fs.get_file_info(src_root).type != pafs.FileType.Directory:
+        return
+    for info in src_fs.get_file_info(pafs.FileSelector(src_root)):
+        name = posixpath.basename(info.path)
+        if info.type == pafs.FileType.File and is_metadata_file(name) and name not in _OURS:
+            with src_fs.open_input_stream(info.path) as src:
+                write_bytes(fs, posixpath.join(root, name), src.read())
+
+
+def _save_hf_config(model: nn.Module, fs: pafs.FileSystem, root: str, dtype: torch.dtype) -> None:
+    """``config.json`` (with the exported dtype) and ``generation_config.json``
+    of a ``transformers`` model; nothing for other modules."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "save_pretrained", None)):
+        return
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    with tempfile.TemporaryDirectory(prefix="rfb-export-") as local:
+        config.save_pretrained(local)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(local)
+        for name in sorted(os.listdir(local)):
+            with open(os.path.join(local, name), "rb") as f:
+                write_bytes(fs, posixpath.join(root, name), f.read())
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

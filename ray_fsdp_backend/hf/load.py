@@ -1,10 +1,13 @@
 """``load_pretrained``: Hugging Face safetensors weights into a wrapped model.
 
 The model is built on the meta device and wrapped first (FSDP2, HSDP, DDP,
-DMuon), so each rank holds only its own storage. The checkpoint's headers
-are read and checked against the model's state dict before any weight is
-read; then DCP plans the load and :class:`SafetensorsReader` reads, on each
-rank, only the byte ranges of the slices that rank owns.
+DMuon), so each rank holds only its own storage. Rank 0 reads the
+checkpoint's headers (once per file) and broadcasts them; the keys are
+mapped as ``transformers`` maps them (:mod:`.keys`) and checked against the
+model's state dict before any weight is read; then DCP plans the load and
+:class:`SafetensorsReader` reads, on each rank, only the byte ranges of the
+slices that rank owns, concurrently. The context remembers where each model
+was loaded from (:func:`loaded_from`), for the export.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import os
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -27,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.entries import Entry
 from ray_fsdp_backend.hf.experts import fuse_experts
+from ray_fsdp_backend.hf.keys import KeyRules, key_rules_for, to_model_key
 from ray_fsdp_backend.hf.peft import resolve_peft_load
 from ray_fsdp_backend.hf.reader import (
     KeyMap,
@@ -34,17 +40,28 @@ from ray_fsdp_backend.hf.reader import (
     SafetensorsReader,
     read_checkpoint_index,
 )
-from ray_fsdp_backend.strategies.peft import note_frozen_loaded
+from ray_fsdp_backend.strategies.peft import note_frozen_loaded, unwrap
 
 _SHOWN = 5
-# The checkpoint dtype of each model loaded here: the default dtype of an HF export.
-_LOADED_DTYPE: weakref.WeakKeyDictionary[nn.Module, torch.dtype] = weakref.WeakKeyDictionary()
 
 
-def pretrained_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype of the weights ``load_pretrained`` loaded into ``model``
-    (the most common one), or None."""
-    return _LOADED_DTYPE.get(_unwrapped(model))
+@dataclass(frozen=True)
+class Source:
+    """Where ``load_pretrained`` read a model's weights: the filesystem, the
+    path on it, and the checkpoint's (most common) dtype."""
+
+    filesystem: pafs.FileSystem
+    path: str
+    dtype: torch.dtype | None
+
+
+_SOURCES: weakref.WeakKeyDictionary[nn.Module, Source] = weakref.WeakKeyDictionary()
+
+
+def loaded_from(model: nn.Module) -> Source | None:
+    """The checkpoint ``load_pretrained`` loaded into ``model``, or None
+    (the export's default dtype and the tokenizer files it copies)."""
+    return _SOURCES.get(unwrap(model))
 
 
 def load_pretrained(
@@ -58,16 +75,20 @@ def load_pretrained(
 
     ``path`` is a directory (``model.safetensors``, or shards with
     ``model.safetensors.index.json``), one ``.safetensors`` file, a URI
-    (``s3://``, ``gs://``), or a path on ``filesystem``. Values are cast to the
-    parameters' dtype; tied weights stay tied (the checkpoint may hold either
-    name). Buffers the checkpoint lacks keep the values the model's own
-    initialisation gave them (rotary tables and other non-persistent buffers
-    are never in a checkpoint). A PEFT model needs no ``key_map``: a base
-    checkpoint fills everything but the adapters (which keep PEFT's
-    initialisation), a PEFT adapter directory (``adapter_config.json``) fills
-    the adapters (see :mod:`.peft`). Create the optimizer afterwards. Collective:
-    every rank calls it. Returns the reader (``bytes_read`` says how much this
-    rank read).
+    (``s3://``, ``gs://``), or a path on ``filesystem``. Keys map as
+    ``from_pretrained`` maps them (:mod:`.keys`: the base model's prefix
+    added or stripped, keys the model ignores dropped), after ``key_map``.
+    Values are cast to the parameters' dtype; tied weights stay tied (the
+    checkpoint may hold either name). Buffers the checkpoint lacks keep the
+    values the model's own initialisation gave them (rotary tables and other
+    non-persistent buffers are never in a checkpoint). A PEFT model needs no
+    ``key_map``: a base checkpoint fills everything but the adapters (which
+    keep PEFT's initialisation), a PEFT adapter directory
+    (``adapter_config.json``) fills the adapters (see :mod:`.peft`). Rank 0
+    reads the files' headers and broadcasts them; each rank then reads its
+    own byte ranges, concurrently. Create the optimizer afterwards.
+    Collective: every rank calls it. Returns the reader (``bytes_read`` says
+    how much this rank read).
 
     Raises:
         PretrainedCheckpointError: the path does not exist, a file is corrupt,
@@ -75,15 +96,24 @@ def load_pretrained(
     """
     fs, root = resolve_filesystem(path, filesystem)
     state = get_model_state_dict(model)
+    inner = unwrap(model)
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    params = {n: id(p) for n, p in _unwrapped(model).named_parameters(remove_duplicate=False)}
+    params = {n: id(p) for n, p in inner.named_parameters(remove_duplicate=False)}
     peft = resolve_peft_load(model, list(state), fs, root) if key_map is None else None
     if peft is not None:  # PEFT names: the base, or the adapters of an adapter directory
         root, key_map = peft.path, peft.key_map
         params = {n: i for n, i in params.items() if n in peft.required}
         state = {k: v for k, v in state.items() if k in peft.required}
-    entries = fuse_experts(read_checkpoint_index(fs, root, key_map), shapes)
-    to_load = check_fits(state, params, entries, where=os.fspath(path))
+    checkpoint = _rank0_then_broadcast(lambda: read_checkpoint_index(fs, root, key_map))
+    rules = key_rules_for(inner, checkpoint, state) if peft is None else KeyRules()
+    names = frozenset(state)
+    mapped = {}
+    for key, entry in checkpoint.items():
+        name = to_model_key(key, rules, names)
+        if name is not None:
+            mapped[name] = entry
+    entries = fuse_experts(mapped, shapes)
+    to_load = check_fits(state, params, entries, where=os.fspath(path), rules=rules)
     reader = SafetensorsReader(fs, {k: entries[k] for k in to_load})
     load_state = {k: state[k] for k in to_load}
     dcp.load(load_state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -91,22 +121,41 @@ def load_pretrained(
     if peft is None or peft.fills_base:
         note_frozen_loaded(model)
         dtypes = Counter(entries[k].dtype for k in to_load)
-        if dtypes:
-            _LOADED_DTYPE[_unwrapped(model)] = dtypes.most_common(1)[0][0]
+        dtype = dtypes.most_common(1)[0][0] if dtypes else None
+        _SOURCES[inner] = Source(fs, root, dtype)
     return reader
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+def _rank0_then_broadcast(read):
+    """``read()`` on rank 0, its result (or its error) on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return read()
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, read())
+        except PretrainedCheckpointError as exc:
+            box[0] = (False, str(exc))
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise PretrainedCheckpointError(value)
+    return value
 
 
 def check_fits(
-    state: dict, params: dict[str, int], entries: dict[str, Entry], *, where: str
+    state: dict,
+    params: dict[str, int],
+    entries: dict[str, Entry],
+    *,
+    where: str,
+    rules: KeyRules | None = None,
 ) -> list[str]:
     """The model keys to load from the checkpoint.
 
     Every parameter (``params``: name -> identity, so tied weights share one)
-    must be in the checkpoint under one of its names, buffers may be absent;
+    must be in the checkpoint under one of its names (unless ``rules`` lets
+    it be missing), buffers may be absent;
     every checkpoint tensor must be a model key of the same shape.
 
     Raises:
@@ -116,7 +165,13 @@ def check_fits(
     names: dict[int, list[str]] = {}
     for name, ident in params.items():
         names.setdefault(ident, []).append(name)
-    missing = [k for k in state if k in params and not any(a in entries for a in names[params[k]])]
+    missing = [
+        k
+        for k in state
+        if k in params
+        and not any(a in entries for a in names[params[k]])
+        and not (rules and rules.missing_ok(k))
+    ]
     unexpected = [k for k in entries if k not in state]
     shapes = [
         f"{k} (checkpoint {list(e.shape)} in {e.file}, model {list(state[k].shape)})"

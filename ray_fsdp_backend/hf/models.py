@@ -6,6 +6,7 @@ the core package works without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import tempfile
@@ -15,25 +16,26 @@ import torch
 from torch import nn
 
 from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
-from ray_fsdp_backend.hf.reader import list_checkpoint_files, read_file_header
-
-_METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+from ray_fsdp_backend.hf.reader import is_metadata_file, read_checkpoint_index
 
 
-def metadata_dir(path: str | os.PathLike, filesystem: pafs.FileSystem | None = None) -> str:
+@contextlib.contextmanager
+def metadata_dir(path: str | os.PathLike, filesystem: pafs.FileSystem | None = None):
     """A local directory with the checkpoint's small files (``config.json``,
-    tokenizer files): ``path`` itself when local, else a temporary copy of
-    those files only (never the weights)."""
+    tokenizer files), for the ``with`` block: ``path`` itself when local,
+    else a temporary copy of those files only (never the weights), removed
+    on exit."""
     fs, root = resolve_filesystem(path, filesystem)
     if is_local(fs):
-        return root
-    local = tempfile.mkdtemp(prefix="rfb-pretrained-")
-    for info in fs.get_file_info(pafs.FileSelector(root)):
-        if info.type == pafs.FileType.File and info.path.endswith(_METADATA_SUFFIXES):
-            with fs.open_input_stream(info.path) as src:
-                with open(os.path.join(local, posixpath.basename(info.path)), "wb") as dst:
-                    dst.write(src.read())
-    return local
+        yield root
+        return
+    with tempfile.TemporaryDirectory(prefix="rfb-pretrained-") as local:
+        for info in fs.get_file_info(pafs.FileSelector(root)):
+            if info.type == pafs.FileType.File and is_metadata_file(info.path):
+                with fs.open_input_stream(info.path) as src:
+                    with open(os.path.join(local, posixpath.basename(info.path)), "wb") as dst:
+                        dst.write(src.read())
+        yield local
 
 
 def build_causal_lm(
@@ -47,7 +49,8 @@ def build_causal_lm(
     :func:`~ray_fsdp_backend.hf.load_pretrained` fills it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(metadata_dir(path, filesystem))
+    with metadata_dir(path, filesystem) as local:
+        config = AutoConfig.from_pretrained(local)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -56,7 +59,8 @@ def load_tokenizer(path: str | os.PathLike, filesystem: pafs.FileSystem | None =
     """The tokenizer saved beside the checkpoint."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(metadata_dir(path, filesystem))
+    with metadata_dir(path, filesystem) as local:
+        return AutoTokenizer.from_pretrained(local)
 
 
 def count_checkpoint_parameters(
@@ -65,8 +69,5 @@ def count_checkpoint_parameters(
     """Number of weights in the checkpoint, from the safetensors headers
     alone (a few KB read per file, no weights)."""
     fs, root = resolve_filesystem(path, filesystem)
-    total = 0
-    for file in list_checkpoint_files(fs, root):
-        for entry in read_file_header(fs, file):
-            total += (entry.end - entry.begin) // entry.dtype.itemsize
-    return total
+    entries = read_checkpoint_index(fs, root).values()
+    return sum((e.end - e.begin) // e.dtype.itemsize for e in entries)

@@ -21,20 +21,33 @@ from __future__ import annotations
 
 import copy
 import os
+import posixpath
+import tempfile
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ray_fsdp_backend.filesystem import is_local
 from ray_fsdp_backend.hf.peft import ADAPTER_WEIGHTS, peft_names
+from ray_fsdp_backend.hf.writer import write_bytes
 from ray_fsdp_backend.strategies.peft import peft_configs, tuner_layers, unwrap
 
 
-def export_peft(model: nn.Module, path: str, *, dtype: torch.dtype | None = None) -> str:
-    """Write the adapters of ``model`` to directory ``path`` in PEFT's format
-    (see the module docstring). Collective: every rank calls it.
+def export_peft(
+    model: nn.Module,
+    fs: pafs.FileSystem,
+    root: str,
+    *,
+    max_shard_size=None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write the adapters of ``model`` to directory ``root`` of ``fs`` in
+    PEFT's format (see the module docstring; ``max_shard_size`` unused: one
+    file per adapter). Collective: every rank calls it.
 
     Raises:
         ValueError: ``model`` has no PEFT adapters.
@@ -51,15 +64,20 @@ def export_peft(model: nn.Module, path: str, *, dtype: torch.dtype | None = None
         per_adapter.setdefault(adapter, {})[saved] = full.to(dtype) if dtype else full
     if not dist.is_initialized() or dist.get_rank() == 0:
         for adapter, tensors in per_adapter.items():
-            where = path if adapter == "default" else os.path.join(path, adapter)
-            os.makedirs(where, exist_ok=True)
-            save_file(tensors, os.path.join(where, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            where = root if adapter == "default" else posixpath.join(root, adapter)
+            if is_local(fs):
+                fs.create_dir(where, recursive=True)
+            data = save(tensors, metadata={"format": "pt"})
+            write_bytes(fs, posixpath.join(where, ADAPTER_WEIGHTS), data)
             config = copy.deepcopy(configs[adapter])
             config.inference_mode = True
-            config.save_pretrained(where)
+            with tempfile.TemporaryDirectory(prefix="rfb-export-") as local:
+                config.save_pretrained(local)
+                for name in sorted(os.listdir(local)):
+                    with open(os.path.join(local, name), "rb") as f:
+                        write_bytes(fs, posixpath.join(where, name), f.read())
     if dist.is_initialized():
         dist.barrier()
-    return path
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:

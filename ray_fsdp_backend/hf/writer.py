@@ -1,40 +1,39 @@
-"""Export in Hugging Face layout: sharded safetensors, index, ``config.json``.
+"""Write full weights as safetensors files on any ``pyarrow.fs`` filesystem.
 
-Every rank writes the slices it owns with DCP's ``HuggingFaceStorageWriter``
-(``save_distributed``: one file per rank and output shard, no gather), then
-``consolidate_safetensors_files_on_every_rank`` turns them into
-``model-0000i-of-0000N.safetensors`` files, each rank assembling some of them
-one tensor at a time, and rank 0 writes the index, ``config.json`` and
-``generation_config.json``. A PEFT model is written merged (its adapters
-added into the base weights: :mod:`.peft_export`). Peak host memory on a
-rank: its own shard plus one full tensor. Both steps work on local paths only (torch 2.13), so the
-path must be one every rank sees (a local disk in one node, a shared
-filesystem across nodes).
+The plan is pure and the same on every rank (:func:`plan_export`): the
+tensors in state-dict order, cut into ``world`` groups of about equal bytes
+(so that every rank has a part to write) and each group into files of at
+most ``max_shard_size``, each file given to one rank, balancing bytes. Then every rank walks the
+tensors in that order: a sharded tensor (``DTensor``) is gathered with
+``full_tensor()`` (a collective: every rank takes part, one tensor at a
+time), and the rank that owns the tensor's file streams its bytes straight
+into that file, its header first (known from the plan). Nothing is staged:
+on object storage each rank uploads its own files (a multipart upload per
+file) with the credentials the filesystem already has; on a local disk a
+file is written as ``NAME.tmp`` and renamed. Peak host memory: one full
+tensor.
+
+``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` and its
+consolidation (torch 2.13) work on local paths only, hence this writer.
 """
 
 from __future__ import annotations
 
-import copy
-import os
+import contextlib
 import re
-import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files_on_every_rank,
-)
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend.hf.peft_export import merge_adapters
-from ray_fsdp_backend.strategies.peft import is_peft_model
+from ray_fsdp_backend.filesystem import is_local
+from ray_fsdp_backend.hf.safetensors_io import build_header
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-_STAGING = ".rfb-sharded"
 
 
 def parse_size(size: int | str) -> int:
@@ -66,55 +65,105 @@ def plan_shard_files(sizes: dict[str, int], max_bytes: int) -> dict[str, int]:
     return mapping
 
 
-def export_hf(model: nn.Module, path: str, *, max_shard_size: int | str, dtype: torch.dtype) -> str:
-    """Write ``model`` to directory ``path`` in HF layout (see the module
-    docstring). Collective; returns ``path`` once every file is complete."""
-    max_bytes = parse_size(max_shard_size)
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    state = get_model_state_dict(model)
-    state = {k: v for k, v in state.items() if k in _unique_keys(inner, state)}
-    if is_peft_model(inner):  # adapters merged into the base, under the base's names
-        state = merge_adapters(inner, state)
-    state = {k: v.detach().to(dtype) for k, v in state.items()}
-    sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
-    mapping = plan_shard_files(sizes, max_bytes)
-    staging = os.path.join(path, _STAGING)
-    writer = HuggingFaceStorageWriter(staging, fqn_to_index_mapping=mapping, save_distributed=True)
-    dcp.save(state, storage_writer=writer)
-    _barrier()
-    consolidate_safetensors_files_on_every_rank(staging, path, mapping)
-    _barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        _save_hf_config(inner, path, dtype)
-    _barrier()
-    return path
+@dataclass(frozen=True)
+class FilePlan:
+    """One output file: its name (relative to the export root), the keys it
+    holds in order, and the rank that writes it."""
+
+    name: str
+    keys: tuple[str, ...]
+    owner: int
 
 
-def _unique_keys(model: nn.Module, state: dict) -> set[str]:
-    """State keys without the second name of a tied parameter (HF keeps
-    ``embed_tokens``, drops ``lm_head`` and ties it again on load)."""
-    first: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(param), name)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    return {k for k in state if k not in params or first[id(params[k])] == k}
+def plan_export(sizes: dict[str, int], max_bytes: int, world_size: int) -> list[FilePlan]:
+    """Files ``model-0000i-of-0000N.safetensors`` for tensors of ``sizes``
+    (key -> bytes, in write order): the keys cut into ``world_size``
+    contiguous groups of about equal bytes, each group into files of at most
+    ``max_bytes``; each file's owner is the rank with the fewest bytes so far
+    (largest files first), so every rank writes about its share."""
+    total = max(1, sum(sizes.values()))
+    groups: list[dict[str, int]] = [{} for _ in range(world_size)]
+    done = 0
+    for key, nbytes in sizes.items():  # a key goes to the group its middle byte falls in
+        groups[min(world_size - 1, (2 * done + nbytes) * world_size // (2 * total))][key] = nbytes
+        done += nbytes
+    keys: list[list[str]] = []
+    for group in groups:
+        mapping = plan_shard_files(group, max_bytes)
+        start = len(keys)
+        keys.extend([] for _ in set(mapping.values()))
+        for key, index in mapping.items():
+            keys[start + index - 1].append(key)
+    count = len(keys)
+    file_bytes = [sum(sizes[k] for k in ks) for ks in keys]
+    owners, load = [0] * count, [0] * world_size
+    for i in sorted(range(count), key=lambda i: -file_bytes[i]):
+        owners[i] = min(range(world_size), key=lambda r: load[r])
+        load[owners[i]] += file_bytes[i]
+    return [
+        FilePlan(f"model-{i + 1:05d}-of-{count:05d}.safetensors", tuple(ks), owners[i])
+        for i, ks in enumerate(keys)
+    ]
 
 
-def _save_hf_config(model: nn.Module, path: str, dtype: torch.dtype) -> None:
-    """``config.json`` (with the exported dtype) and ``generation_config.json``
-    of a ``transformers`` model; nothing for other modules."""
-    config = getattr(model, "config", None)
-    if config is None or not callable(getattr(config, "save_pretrained", None)):
+def export_dtype(value: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``value`` is written in: ``dtype`` for floating-point
+    tensors, its own for integer and bool ones."""
+    return dtype if dtype is not None and value.is_floating_point() else value.dtype
+
+
+def write_files(
+    fs: pafs.FileSystem,
+    root: str,
+    state: dict[str, torch.Tensor],
+    files: list[FilePlan],
+    dtype: torch.dtype | None,
+) -> int:
+    """Write ``files`` (every rank calls it with the same plan; see the module
+    docstring). ``state`` values may be DTensors. Returns the bytes this rank
+    wrote."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    written = 0
+    for plan in files:
+        header = build_header(
+            (k, export_dtype(state[k], dtype), tuple(state[k].shape)) for k in plan.keys
+        )
+        with _maybe_open(
+            fs, f"{root}/{plan.name}" if root else plan.name, plan.owner == rank
+        ) as out:
+            if out is not None:
+                out.write(header)
+                written += len(header)
+            for key in plan.keys:
+                value = state[key].detach()
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                if out is not None:
+                    data = full.to("cpu", export_dtype(full, dtype)).contiguous()
+                    out.write(data.reshape(-1).view(torch.uint8).numpy())
+                    written += data.numel() * data.element_size()
+    return written
+
+
+@contextlib.contextmanager
+def _maybe_open(fs: pafs.FileSystem, path: str, mine: bool) -> Iterator:
+    """An output stream to ``path`` when this rank writes it, else None. On a
+    local disk the bytes go to ``path.tmp``, renamed when complete."""
+    if not mine:
+        yield None
         return
-    config = copy.deepcopy(config)
-    config.dtype = dtype
-    config.save_pretrained(path)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None:
-        generation.save_pretrained(path)
+    target = f"{path}.tmp" if is_local(fs) else path
+    with fs.open_output_stream(target) as out:
+        yield out
+    if target != path:
+        fs.move(target, path)
 
 
-def _barrier() -> None:
+def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """One small file (index, config, tokenizer) written whole."""
+    with fs.open_output_stream(path) as out:
+        out.write(data)
+
+
+def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
