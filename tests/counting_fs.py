@@ -80,3 +80,101 @@ class CountingFileSystem:
     @property
     def bytes_read(self) -> int:
         return BYTES_READ[0] - self._start
+
+
+class RoundTrips:
+    """A filesystem wrapper (duck-typed: the calls the Hugging Face reader
+    and writer make) that adds ``latency`` seconds to every request to
+    ``fs`` and records each one: ``calls`` (kind, path, offset, length) and
+    ``intervals`` (start, end). ``sequential()`` is the longest chain of
+    requests each starting after the previous ended: the round trips a rank
+    waited for one after another. Pickles (per-process records)."""
+
+    def __init__(self, fs: pafs.FileSystem, latency: float = 0.05):
+        self.fs, self.latency = fs, latency
+        self.calls: list[tuple] = []
+        self.intervals: list[tuple[float, float]] = []
+        self.bytes_written = 0
+
+    def __getstate__(self):
+        return {"fs": self.fs, "latency": self.latency}
+
+    def __setstate__(self, state):
+        self.__init__(state["fs"], state["latency"])
+
+    def reset(self) -> None:
+        self.calls, self.intervals = [], []
+
+    def _request(self, kind, path, fn, offset=None, length=None):
+        import time
+
+        start = time.perf_counter()
+        time.sleep(self.latency)
+        try:
+            return fn()
+        finally:
+            self.calls.append((kind, path, offset, length))
+            self.intervals.append((start, time.perf_counter()))
+
+    def sequential(self) -> int:
+        chain, last_end = 0, float("-inf")
+        for start, end in sorted(self.intervals, key=lambda i: i[1]):
+            if start >= last_end:
+                chain, last_end = chain + 1, end
+        return chain
+
+    def get_file_info(self, what):
+        return self._request("info", str(what), lambda: self.fs.get_file_info(what))
+
+    def open_input_stream(self, path):
+        return self._request("stream", path, lambda: self.fs.open_input_stream(path))
+
+    def open_input_file(self, path):
+        return _TimedFile(
+            self, path, self._request("open", path, lambda: self.fs.open_input_file(path))
+        )
+
+    def open_output_stream(self, path):
+        return _CountedOutput(self, self.fs.open_output_stream(path))
+
+    def create_dir(self, path, recursive=True):
+        return self.fs.create_dir(path, recursive=recursive)
+
+    def move(self, src, dst):
+        return self.fs.move(src, dst)
+
+
+class _TimedFile:
+    def __init__(self, owner: RoundTrips, path: str, f):
+        self._owner, self._path, self._f = owner, path, f
+
+    def size(self):
+        return self._f.size()
+
+    def read_at(self, nbytes, offset):
+        read = lambda: self._f.read_at(nbytes, offset)  # noqa: E731
+        return self._owner._request("read", self._path, read, offset, nbytes)
+
+    def close(self):
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _CountedOutput:
+    def __init__(self, owner: RoundTrips, out):
+        self._owner, self._out = owner, out
+
+    def write(self, data):
+        self._owner.bytes_written += memoryview(data).nbytes
+        return self._out.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._out.close()
