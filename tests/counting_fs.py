@@ -82,30 +82,39 @@ class CountingFileSystem:
         return BYTES_READ[0] - self._start
 
 
-class RoundTrips:
-    """A filesystem wrapper (duck-typed: the calls the Hugging Face reader
-    and writer make) that adds ``latency`` seconds to every request to
-    ``fs`` and records each one: ``calls`` (kind, path, offset, length) and
-    ``intervals`` (start, end). ``sequential()`` is the longest chain of
-    requests each starting after the previous ended: the round trips a rank
-    waited for one after another. Pickles (per-process records)."""
+class RoundTrips(pafs.FileSystemHandler):
+    """A ``pyarrow.fs`` handler over ``fs`` that adds ``latency`` seconds to
+    every request and records each one: ``calls`` (kind, path, offset,
+    length) and ``intervals`` (start, end); ``bytes_written`` counts the
+    bytes written through it. ``filesystem`` is the ``PyFileSystem`` to pass.
+    ``sequential()`` is the longest chain of requests each starting after the
+    previous ended: the round trips waited for one after another. Pickles
+    (records stay per process)."""
 
     def __init__(self, fs: pafs.FileSystem, latency: float = 0.05):
         self.fs, self.latency = fs, latency
         self.calls: list[tuple] = []
         self.intervals: list[tuple[float, float]] = []
         self.bytes_written = 0
+        self.filesystem = pafs.PyFileSystem(self)
 
-    def __getstate__(self):
-        return {"fs": self.fs, "latency": self.latency}
+    def __reduce__(self):
+        return RoundTrips, (self.fs, self.latency)
 
-    def __setstate__(self, state):
-        self.__init__(state["fs"], state["latency"])
+    def __eq__(self, other):
+        return other is self
 
-    def reset(self) -> None:
-        self.calls, self.intervals = [], []
+    def __ne__(self, other):
+        return other is not self
 
-    def _request(self, kind, path, fn, offset=None, length=None):
+    def sequential(self) -> int:
+        chain, last_end = 0, float("-inf")
+        for start, end in sorted(self.intervals, key=lambda i: i[1]):
+            if start >= last_end:
+                chain, last_end = chain + 1, end
+        return chain
+
+    def request(self, kind, path, fn, offset=None, length=None):
         import time
 
         start = time.perf_counter()
@@ -116,65 +125,106 @@ class RoundTrips:
             self.calls.append((kind, path, offset, length))
             self.intervals.append((start, time.perf_counter()))
 
-    def sequential(self) -> int:
-        chain, last_end = 0, float("-inf")
-        for start, end in sorted(self.intervals, key=lambda i: i[1]):
-            if start >= last_end:
-                chain, last_end = chain + 1, end
-        return chain
+    def get_type_name(self):
+        return f"roundtrips+{self.fs.type_name}"
 
-    def get_file_info(self, what):
-        return self._request("info", str(what), lambda: self.fs.get_file_info(what))
+    def normalize_path(self, path):
+        return self.fs.normalize_path(path)
+
+    def get_file_info(self, paths):
+        return self.request("info", str(paths), lambda: self.fs.get_file_info(paths))
+
+    def get_file_info_selector(self, selector):
+        return self.request("list", selector.base_dir, lambda: self.fs.get_file_info(selector))
+
+    def create_dir(self, path, recursive):
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        raise NotImplementedError
+
+    def delete_file(self, path):
+        self.fs.delete_file(path)
+
+    def move(self, src, dest):
+        self.fs.move(src, dest)
+
+    def copy_file(self, src, dest):
+        self.fs.copy_file(src, dest)
 
     def open_input_stream(self, path):
-        return self._request("stream", path, lambda: self.fs.open_input_stream(path))
+        return self.open_input_file(path)
 
     def open_input_file(self, path):
-        return _TimedFile(
-            self, path, self._request("open", path, lambda: self.fs.open_input_file(path))
-        )
+        native = self.request("open", path, lambda: self.fs.open_input_file(path))
+        return pa.PythonFile(_TimedFile(self, path, native), mode="r")
 
-    def open_output_stream(self, path):
-        return _CountedOutput(self, self.fs.open_output_stream(path))
+    def open_output_stream(self, path, metadata):
+        return pa.PythonFile(_CountedOutput(self, self.fs.open_output_stream(path)), mode="w")
 
-    def create_dir(self, path, recursive=True):
-        return self.fs.create_dir(path, recursive=recursive)
-
-    def move(self, src, dst):
-        return self.fs.move(src, dst)
+    def open_append_stream(self, path, metadata):
+        raise NotImplementedError
 
 
-class _TimedFile:
-    def __init__(self, owner: RoundTrips, path: str, f):
-        self._owner, self._path, self._f = owner, path, f
+class _TimedFile(io.RawIOBase):
+    def __init__(self, owner: RoundTrips, path: str, native):
+        self._owner, self._path, self._f = owner, path, native
+        self._pos = 0
 
-    def size(self):
-        return self._f.size()
+    def readable(self):
+        return True
 
-    def read_at(self, nbytes, offset):
-        read = lambda: self._f.read_at(nbytes, offset)  # noqa: E731
-        return self._owner._request("read", self._path, read, offset, nbytes)
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=0):
+        base = {0: 0, 1: self._pos, 2: self._f.size()}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self):
+        return self._pos
+
+    def read(self, n=-1):
+        n = self._f.size() - self._pos if n is None or n < 0 else n
+        pos = self._pos
+        data = self._owner.request("read", self._path, lambda: self._f.read_at(n, pos), pos, n)
+        self._pos += len(data)
+        return data
+
+    def readall(self):
+        return self.read(-1)
+
+    def readinto(self, buf):
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
 
     def close(self):
         self._f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().close()
 
 
-class _CountedOutput:
+class _CountedOutput(io.RawIOBase):
     def __init__(self, owner: RoundTrips, out):
         self._owner, self._out = owner, out
 
+    def writable(self):
+        return True
+
     def write(self, data):
-        self._owner.bytes_written += memoryview(data).nbytes
-        return self._out.write(data)
+        n = memoryview(data).nbytes
+        self._owner.bytes_written += n
+        self._out.write(data)
+        return n
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._out.close()
+    def close(self):
+        if not self.closed:
+            self._out.close()
+        super().close()
