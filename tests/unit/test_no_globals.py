@@ -44,3 +44,19 @@ def test_the_scan_finds_global_in_nested_functions_and_methods(tmp_path):
         "class A:\n    def m(self):\n        def inner():\n            global X, Y\n"
     )
     assert global_statements(tmp_path) == {("mod.py", "inner", "X"), ("mod.py", "inner", "Y")}
+
+
+def test_the_context_owns_its_checkpoint_state_and_teardown_drops_it():
+    from dataclasses import fields
+
+    from ray_fsdp_backend.checkpoint import RunCheckpoints
+    from ray_fsdp_backend.context import TrainContext, get_context, set_context
+
+    ctx = TrainContext(**{f.name: None for f in fields(TrainContext) if f.init})
+    state = ctx.checkpoints  # created on first use, then kept
+    assert isinstance(state, RunCheckpoints) and ctx.checkpoints is state
+    set_context(ctx)
+    assert get_context() is ctx
+    set_context(None)  # what teardown_worker does before destroying the process group
+    assert ctx._checkpoints is None
+    assert ctx.checkpoints is not state  # a context used again starts clean
