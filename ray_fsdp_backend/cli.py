@@ -22,7 +22,13 @@ import time
 from collections.abc import Sequence
 
 from ray_fsdp_backend.elastic import describe_split, elastic_world_sizes, worker_range
-from ray_fsdp_backend.memory import ModelSize, estimate_memory, format_bytes
+from ray_fsdp_backend.memory import (
+    ActivationShape,
+    ModelSize,
+    estimate_activations,
+    estimate_memory,
+    format_bytes,
+)
 from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import (
     CP_AXIS,
@@ -31,6 +37,7 @@ from ray_fsdp_backend.topology import (
     TP_AXIS,
     topology_from_node_counts,
 )
+from ray_fsdp_backend.trainer.model import ModelConfig
 from ray_fsdp_backend.trainer.spec import (
     RunSpec,
     apply_overrides,
@@ -203,7 +210,9 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
                 continue
             lines.append(f"{axis} groups ({len(groups)}; {what}):")
             lines += [f"  {format_ranks(g)}" for g in groups]
-    lines += format_memory(spec, strategy, layout.axis_size(SHARD_AXIS))
+    # FSDP2 shards over dp_shard x cp (the cp ranks hold different tokens).
+    lines += format_memory(spec, strategy, layout.size((SHARD_AXIS, CP_AXIS)))
+    lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS))
     if cfg.use_dmuon:
         lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS))
     return "\n".join(lines)
@@ -260,6 +269,34 @@ def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:
     if est.host:
         lines.append(f"  host (CPU offload) {format_bytes(est.host)} per rank")
     return lines
+
+
+def format_activations(spec: RunSpec, cp: int, tp: int) -> list[str]:
+    """Activation memory per rank for one micro-batch of the byte-level
+    decoder (a pretrained model's shape is read only on the workers)."""
+    model, cfg = spec.model, spec.distributed
+    if not isinstance(model, ModelConfig):
+        return []
+    shape = ActivationShape(
+        n_layers=model.n_layers,
+        dim=model.dim,
+        n_heads=model.n_heads,
+        vocab_size=model.vocab_size,
+        seq_len=model.seq_len,
+        micro_batch_size=spec.train.micro_batch_size,
+    )
+    value_bytes = 2 if cfg.use_mixed_precision else 4
+    kwargs = dict(cp=cp, tp=tp, value_bytes=value_bytes)
+    kwargs["checkpointing"] = cfg.use_gradient_checkpointing
+    with_scores = estimate_activations(shape, **kwargs)
+    flash = estimate_activations(shape, attention_scores=False, **kwargs)
+    split = f", sequence split over cp={cp}" if cp > 1 else ""
+    return [
+        f"activations per rank, one micro-batch of {spec.train.micro_batch_size} x "
+        f"{model.seq_len} tokens{split} (estimate):",
+        f"  {format_bytes(with_scores):>10}  kernels that keep attention scores (CPU)",
+        f"  {format_bytes(flash):>10}  flash / memory-efficient attention (GPU)",
+    ]
 
 
 def format_ranks(ranks: Sequence[int]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.apply import global_token_count
+from ray_fsdp_backend.context_parallel.ring import ring_region
 from ray_fsdp_backend.context_parallel.sequence import shard_sequence
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.topology import CP_AXIS, TP_AXIS, MeshLayout, Topology
@@ -108,6 +111,14 @@ class TrainContext:
         :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`."""
         ring = self.strategy.cp_backend == "ring"
         return shard_sequence(batch, self.cp_rank, self.cp_size, load_balance=ring)
+
+    def sequence_region(self) -> AbstractContextManager:
+        """Run each micro-batch's forward *and* backward inside it: with
+        ``context_parallel_backend`` resolved to ring, SDPA becomes torch's
+        ring attention over the cp group there; otherwise it does nothing."""
+        if self.strategy.cp_backend != "ring":
+            return contextlib.nullcontext()
+        return ring_region(self.mesh[CP_AXIS])
 
     def global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
         """Valid targets (not -100) of the whole dp x cp batch, from this rank's

@@ -142,3 +142,48 @@ def format_bytes(n: int) -> str:
             return f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activation estimate needs of a decoder and its batch."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    micro_batch_size: int
+
+
+def estimate_activations(
+    shape: ActivationShape,
+    *,
+    cp: int = 1,
+    tp: int = 1,
+    value_bytes: int = 4,
+    attention_scores: bool = True,
+    checkpointing: bool = False,
+) -> int:
+    """Bytes one rank saves for backward in one micro-batch (an estimate).
+
+    Per layer, Korthikanti et al. 2022 (arXiv:2205.05198, section 4): with
+    ``s`` tokens, ``b`` rows, width ``h`` and ``a`` heads, ``s b h (34 + 5 a s / h)``
+    bytes at 2 bytes per value, of which ``5 a s / h`` is the attention-score
+    term (absent with flash / memory-efficient kernels: ``attention_scores=False``)
+    and ``24`` the part tensor parallelism (here with sequence parallelism)
+    divides. Context parallelism divides the tokens a rank holds (``s / cp``)
+    while each token still attends over the whole sequence: Ulysses keeps
+    ``a / cp`` heads of all ``s`` tokens, so every term falls as ``1 / cp``.
+    Activation checkpointing keeps only each block's input (``2 s b h``).
+    Logits (``s b V``, plus their fp32 copy for the loss) come on top.
+    """
+    s, b, h = shape.seq_len // cp, shape.micro_batch_size, shape.dim
+    scale = value_bytes / 2
+    if checkpointing:
+        per_layer = 2 * s * b * h
+    else:
+        scores = 5 * shape.n_heads * shape.seq_len / h if attention_scores else 0
+        per_layer = s * b * h * (34 + scores) / tp
+    logits = s * b * shape.vocab_size * (value_bytes + FP32_BYTES) / tp
+    return int(shape.n_layers * per_layer * scale + logits)

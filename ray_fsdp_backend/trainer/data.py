@@ -38,7 +38,11 @@ from importlib import resources
 import numpy as np
 import torch
 
+from ray_fsdp_backend.context_parallel.sequence import pack_documents, shift_labels
+
 SHIPPED_CORPUS = "tiny_corpus.txt"
+NEWLINE = 10
+"""The byte that ends a document (a line) for ``data.packing``."""
 
 
 def load_corpus(path: str | os.PathLike | None = None) -> torch.Tensor:
@@ -157,6 +161,48 @@ class ShardedBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
+
+
+def split_documents(tokens: torch.Tensor, separator: int = NEWLINE) -> list[torch.Tensor]:
+    """The corpus cut after every ``separator`` token (a line of text per
+    document, its newline included); empty pieces are dropped."""
+    ends = (tokens == separator).nonzero().flatten() + 1
+    bounds = [0, *ends.tolist(), len(tokens)]
+    return [tokens[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+class PackedBatches(ShardedBatches):
+    """``data.packing``: one rank's stream of packed micro-batches.
+
+    The corpus's documents (lines) are concatenated into rows of ``seq_len``
+    tokens once (:func:`~ray_fsdp_backend.context_parallel.pack_documents`);
+    ``position_ids`` restart at every document, which the model turns into
+    per-document attention, and a target that would cross into the next
+    document is ignored (-100). Rows are read in the same resumable global
+    order as :class:`ShardedBatches` (a permutation per epoch, sharded by
+    ``dp_rank``), so ``position`` resumes exactly. ``next_batch`` returns a dict:
+    ``input_ids``, ``targets`` (already shifted), ``position_ids``.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, *args, **kwargs) -> None:
+        """``tokens`` and ``seq_len`` as packed rows; the rest as :class:`ShardedBatches`."""
+        packed = pack_documents(split_documents(tokens), seq_len)
+        self.rows = {
+            "input_ids": packed["input_ids"],
+            "targets": shift_labels(packed["labels"], packed["position_ids"]),
+            "position_ids": packed["position_ids"],
+        }
+        # Each row is a "window" of one index: the same per-epoch permutation.
+        rows = len(packed["input_ids"])
+        super().__init__(torch.arange(rows + 2), 1, *args, **kwargs)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        samples = compute_rank_samples(
+            self.position, self.micro_batch_size, self.dp_rank, self.dp_size
+        )
+        index = torch.tensor([self.order.start(s) for s in samples])
+        self.position += self.global_batch_rows
+        return {key: rows[index] for key, rows in self.rows.items()}
 
 
 class RayDataBatches:

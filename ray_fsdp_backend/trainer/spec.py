@@ -91,6 +91,11 @@ class DataOptions:
     path: str | None = None
     """Text file (``corpus``) or files/directory/URI (``ray_data``); None is the
     shipped corpus."""
+    packing: bool = False
+    """Concatenate the corpus's documents (its lines) into ``model.seq_len``
+    rows, ``position_ids`` restarting per document; attention never crosses
+    documents. Byte-level model and ``corpus`` source; composes with Ulysses
+    context parallelism, not with ring."""
 
 
 @dataclass(frozen=True)
@@ -368,6 +373,7 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
             "so use optimizer muon with use_dmuon true, or adamw with use_dmuon false"
         )
     errors += _batch_errors(train, built.get("scaling"))
+    errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
     if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
@@ -377,6 +383,42 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     if data is not None and data.source == "corpus" and data.path is not None:
         if "://" not in data.path and not os.path.isfile(data.path):
             errors.append(f"data.path={data.path!r} is not a file")
+    return errors
+
+
+def _context_parallel_errors(dist, model, data, scaling) -> list[str]:
+    """Layouts the cp ranks cannot run, caught before any worker starts."""
+    if dist is None or model is None:
+        return []
+    cp, ring = dist.context_parallel_size, dist.context_parallel_backend == "ring"
+    errors = []
+    if data is not None and data.packing:
+        if ring and cp > 1:
+            errors.append(
+                "data.packing with distributed.context_parallel_backend=ring: torch's ring "
+                "attention takes no mask, so packed rows would attend across documents; "
+                "use ulysses"
+            )
+        if not isinstance(model, ModelConfig) or data.source != "corpus":
+            errors.append("data.packing needs the byte-level model and data.source='corpus'")
+    if cp == 1:
+        return errors
+    parts = 2 * cp if ring else cp
+    if model.seq_len % parts:
+        rule = "2 x context_parallel_size" if ring else "context_parallel_size"
+        errors.append(f"model.seq_len={model.seq_len} is not divisible by {rule} = {parts}")
+    if isinstance(model, ModelConfig):
+        device = "cuda" if scaling is None or scaling.use_gpu is not False else "cpu"
+        try:
+            dist.resolve_cp_backend(model.n_heads, device)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if data is not None and data.source == "ray_data":
+        errors.append(
+            "data.source='ray_data' with distributed.context_parallel_size > 1: Ray Data "
+            "splits rows by world rank, but the ranks of one cp group must read the same rows; "
+            "use data.source='corpus' (sharded by ctx.dp_rank)"
+        )
     return errors
 
 

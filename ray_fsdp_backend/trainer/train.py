@@ -36,11 +36,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import ray_fsdp_backend as rfb
+from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, show_ray_report_lines
 from ray_fsdp_backend.step_guard import step_if_finite
-from ray_fsdp_backend.trainer.data import RayDataBatches, ShardedBatches, load_corpus
+from ray_fsdp_backend.trainer.data import (
+    PackedBatches,
+    RayDataBatches,
+    ShardedBatches,
+    load_corpus,
+)
 from ray_fsdp_backend.trainer.model import Transformer
 from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
@@ -239,17 +245,23 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     accum = spec.train.grad_accum
     total = torch.zeros((), device=ctx.device)
     for micro in range(accum):
-        inputs, targets = (to_device(t, ctx.device) for t in batches.next_batch())
+        batch = ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device))
+        inputs, targets = batch["input_ids"], batch["targets"]
         if meter is not None:
             meter.count_tokens(inputs.numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
-        with sync:
-            logits = model(inputs)
+        with sync, ctx.sequence_region():
+            logits = model(inputs, position_ids=batch["position_ids"])
             logits = getattr(logits, "logits", logits)  # a transformers model's output
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+            token_sum = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
+            )
+            loss = token_sum / loss_denominator(ctx, targets) / accum
             loss.backward()
         total += loss.detach()
+    if ctx.cp_size > 1:  # each rank holds a part of the global mean: scale for the logged mean
+        total *= ctx.world_size // ctx.tp_size
     # max_grad_norm 0 (or null): no clipping, the norm is still measured.
     grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
     # Every rank sees the same global norm, so all skip together.
@@ -264,6 +276,24 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and not batch.is_pinned():
         batch = batch.pin_memory()
     return batch.to(device, non_blocking=True)
+
+
+def as_batch(batch, device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch as a dict on ``device``: ``(inputs, targets)`` rows, or
+    the dict packed rows come as (with their ``position_ids``)."""
+    if not isinstance(batch, dict):
+        batch = {"input_ids": batch[0], "targets": batch[1]}
+    return {key: to_device(value, device) for key, value in batch.items()}
+
+
+def loss_denominator(ctx, targets: torch.Tensor) -> torch.Tensor:
+    """What the token-sum loss is divided by. Under context parallelism
+    gradients are *summed* over dp x cp, so the whole batch's valid tokens
+    (one all-reduce); otherwise FSDP/DDP average over the dp ranks, so this
+    rank's own count."""
+    if ctx.cp_size > 1:
+        return ctx.global_token_count(targets)
+    return count_valid_tokens(targets).clamp(min=1)
 
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
@@ -310,7 +340,8 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
         tokens = tokenize_corpus(spec.model, spec.data.path)
     else:
         tokens = load_corpus(spec.data.path)
-    return ShardedBatches(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
+    rows = PackedBatches if spec.data.packing else ShardedBatches
+    return rows(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
 
 
 class CheckpointHooks:

@@ -24,6 +24,7 @@ NAMES = [
     "ddp",
     "elastic_spot",
     "finetune_hf",
+    "long_context",
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from ray_fsdp_backend.context_parallel.apply import disable_hf_cache
 from ray_fsdp_backend.context_parallel.sequence import chunk_indices, document_ids, is_packed
 from ray_fsdp_backend.context_parallel.ulysses import kv_repeat_factor
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _docs(lengths, vocab=256, seed=0):
@@ -160,3 +164,57 @@ def test_mesh_layout_puts_cp_inside_dp_shard_and_outside_tp():
         resolve_layout(
             FSDPSettings(use_fsdp=True, context_parallel_size=4), topology_from_node_counts([2, 2])
         )
+
+
+def test_packed_batches_keep_documents_apart_and_resume():
+    from ray_fsdp_backend.trainer.data import PackedBatches, load_corpus, split_documents
+
+    tokens = load_corpus()
+    docs = split_documents(tokens)
+    assert torch.equal(torch.cat(docs), tokens) and all(int(d[-1]) == 10 for d in docs[:-1])
+    stream = PackedBatches(tokens, 64, 2, 1, 2, seed=3)
+    first = stream.next_batch()
+    assert set(first) == {"input_ids", "targets", "position_ids"}
+    starts = first["position_ids"][:, 1:] == 0  # a document starts at t + 1
+    assert (first["targets"][:, :-1][starts] == IGNORE_INDEX).all()
+    resumed = PackedBatches(tokens, 64, 2, 1, 2, seed=3, position=stream.position)
+    assert torch.equal(resumed.next_batch()["input_ids"], stream.next_batch()["input_ids"])
+
+
+def _spec_errors(*overrides):
+    from ray_fsdp_backend.trainer.spec import apply_overrides, check_spec, load_yaml
+
+    doc = load_yaml(EXAMPLES / "long_context.yaml")
+    return "\n".join(check_spec(apply_overrides(doc, list(overrides))))
+
+
+def test_trainer_spec_refuses_bad_cp_layouts_before_workers_start():
+    assert _spec_errors() == ""
+    ring = "distributed.context_parallel_backend=ring"
+    assert "data.packing with distributed.context_parallel_backend=ring" in _spec_errors(ring)
+    assert "model.seq_len=511 is not divisible by context_parallel_size = 2" in _spec_errors(
+        "model.seq_len=511"
+    )
+    assert "2 x context_parallel_size = 4" in _spec_errors(
+        ring, "data.packing=false", "model.seq_len=510", "scaling.use_gpu=true"
+    )
+    assert "ring needs CUDA workers (3 heads per tp rank" in _spec_errors(
+        "model.n_heads=3", "model.dim=96"
+    )
+    assert "Ray Data splits rows by world rank" in _spec_errors(
+        "data.source=ray_data", "data.path=/tmp", "data.packing=false"
+    )
+
+
+def test_activation_estimate_falls_as_one_over_cp():
+    from ray_fsdp_backend.memory import ActivationShape, estimate_activations
+
+    shape = ActivationShape(
+        n_layers=4, dim=256, n_heads=8, vocab_size=256, seq_len=8192, micro_batch_size=1
+    )
+    whole = estimate_activations(shape)
+    for cp in (2, 4):
+        assert estimate_activations(shape, cp=cp) == pytest.approx(whole / cp, rel=1e-6)
+    # 2-byte values, no scores: s b h 34 per layer plus the logits
+    flash = estimate_activations(shape, value_bytes=2, attention_scores=False)
+    assert flash == 4 * 8192 * 256 * 34 + 8192 * 256 * 6

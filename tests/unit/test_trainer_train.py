@@ -11,6 +11,7 @@ import torch
 
 from ray_fsdp_backend.cli import merge_history
 from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.context_parallel import shard_sequence
 from ray_fsdp_backend.trainer import train
 from ray_fsdp_backend.trainer.data import ShardedBatches, load_corpus
 from ray_fsdp_backend.trainer.model import Transformer
@@ -32,8 +33,16 @@ class FakeContext:
         self.no_sync_calls += 1
         yield
 
+    cp_size = tp_size = 1
+
     def clip_grad_norm(self, model, max_norm, optimizer=None):
         return clip_grad_norm_(model.parameters(), max_norm).total_norm  # the strategies' clip
+
+    def shard_sequence(self, batch):
+        return shard_sequence(batch, 0, 1)  # one cp rank: the whole rows
+
+    def sequence_region(self):
+        return contextlib.nullcontext()
 
 
 def test_lr_warms_up_linearly_then_decays_to_the_floor():
