@@ -6,7 +6,7 @@ Two kinds of model are recognised:
   :class:`~ray_fsdp_backend.context_parallel.attention.ContextParallelAttention`
   (the project's decoder): their ``attention_fn`` becomes Ulysses (or ring)
   attention over the cp group;
-- transformers models: a Ulysses function is registered once through
+- transformers models: a Ulysses function is registered through
   ``AttentionInterface.register`` (no patching) and selected with
   ``set_attn_implementation``; the cache is turned off, because
   transformers builds a packed row's per-document mask from
@@ -30,7 +30,7 @@ from torch import nn
 from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
 from ray_fsdp_backend.context_parallel.ring import ring_causal_attention
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens
-from ray_fsdp_backend.context_parallel.ulysses import ulysses_attention
+from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention
 
 HF_ATTENTION_NAME = "ray_fsdp_ulysses"
 """The name the Ulysses kernel is registered under in transformers."""
@@ -41,26 +41,15 @@ class ContextParallelBackend(str, Enum):
     RING = "ring"
 
 
-class _ActiveGroup:
-    """The cp process group transformers' attention function uses: a process
-    runs one training job, so one group (set by :func:`apply_context_parallel`)."""
-
-    group = None
-
-
-def hf_ulysses_attention(module, query, key, value, attention_mask, *, scaling=None, **kwargs):
-    """transformers' attention-function signature: ``[b, heads, seq/cp, d]``
-    in, ``([b, seq/cp, heads, d], None)`` out. ``attention_mask`` is None
-    (see the module docstring); padding belongs at a row's end with label
-    ``-100``, where causal attention never lets a real token see it."""
-    out = ulysses_attention(
-        query,
-        key,
-        value,
-        group=_ActiveGroup.group,
-        position_ids=kwargs.get("position_ids"),
-        scale=scaling,
-    )
+def hf_ulysses_attention(
+    module, query, key, value, attention_mask, *, ulysses: UlyssesAttention, scaling=None, **kwargs
+):
+    """transformers' attention-function signature (with ``ulysses`` bound):
+    ``[b, heads, seq/cp, d]`` in, ``([b, seq/cp, heads, d], None)`` out.
+    ``attention_mask`` is None (see the module docstring); padding belongs at
+    a row's end with label ``-100``, where causal attention never lets a real
+    token see it."""
+    out = ulysses(query, key, value, position_ids=kwargs.get("position_ids"), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -112,11 +101,8 @@ def apply_context_parallel(
     """
     attention_heads(model)  # refuses a model without a recognised attention
     backend = ContextParallelBackend(backend)
-    kernel = (
-        functools.partial(ulysses_attention, group=group)
-        if backend is ContextParallelBackend.ULYSSES
-        else ring_causal_attention
-    )
+    ulysses = UlyssesAttention(group)
+    kernel = ulysses if backend is ContextParallelBackend.ULYSSES else ring_causal_attention
     own = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
     for module in own:
         module.attention_fn = kernel
@@ -129,8 +115,9 @@ def apply_context_parallel(
     if hf_models:
         from transformers import AttentionInterface
 
-        AttentionInterface.register(HF_ATTENTION_NAME, hf_ulysses_attention)
-        _ActiveGroup.group = group
+        # transformers' registry is process-wide: the latest wrap's group wins.
+        kernel_fn = functools.partial(hf_ulysses_attention, ulysses=ulysses)
+        AttentionInterface.register(HF_ATTENTION_NAME, kernel_fn)
         for hf_model in hf_models:
             hf_model.set_attn_implementation(HF_ATTENTION_NAME)
         disable_hf_cache(model)

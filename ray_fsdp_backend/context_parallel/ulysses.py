@@ -82,39 +82,41 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-class _PositionCache:
-    """The full-sequence ``position_ids`` of the forward in flight: every layer
-    passes the same local tensor, so the gather runs once per forward."""
-
-    local: torch.Tensor | None = None
-    full: torch.Tensor | None = None
-
-
-def full_position_ids(local: torch.Tensor, group) -> torch.Tensor:
-    if _PositionCache.local is not local:
-        _PositionCache.local, _PositionCache.full = local, gather_sequence(local, group)
-    return _PositionCache.full
-
-
-def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group,
-    position_ids: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
+class UlyssesAttention:
     """Causal (document-masked) attention of sequence-sharded
     ``[batch, heads, seq/cp, d]`` tensors over the whole sequence of the cp
     ``group``; returns ``[batch, heads, seq/cp, d]``. ``position_ids`` are this
     rank's ``[batch or 1, seq/cp]`` positions (contiguous split,
-    :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`)."""
-    cp = dist.get_world_size(group)
-    repeat = kv_repeat_factor(q.shape[1], k.shape[1], cp)
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    q, k, v = (sequence_to_heads(t, group) for t in (q, k, v))
-    full_positions = None if position_ids is None else full_position_ids(position_ids, group)
-    out = causal_attention(q, k, v, position_ids=full_positions, scale=scale)
-    return heads_to_sequence(out, group)
+    :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`).
+
+    One instance serves every layer of a model: it keeps the full-sequence
+    ``position_ids`` of the forward in flight (every layer passes the same
+    local tensor), so their gather runs once per forward.
+    """
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (local, full)
+
+    def full_position_ids(self, local: torch.Tensor) -> torch.Tensor:
+        if self._positions is None or self._positions[0] is not local:
+            self._positions = (local, gather_sequence(local, self.group))
+        return self._positions[1]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        cp = dist.get_world_size(self.group)
+        repeat = kv_repeat_factor(q.shape[1], k.shape[1], cp)
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        q, k, v = (sequence_to_heads(t, self.group) for t in (q, k, v))
+        positions = None if position_ids is None else self.full_position_ids(position_ids)
+        out = causal_attention(q, k, v, position_ids=positions, scale=scale)
+        return heads_to_sequence(out, self.group)
