@@ -87,7 +87,9 @@ def _scenarios(rank, world_size, s3, root, endpoint):
 
     names = {
         1: phases.run("503 storm, sync save", lambda f: f.throttle(0.25, seed=1), lambda: save(1)),
-        2: phases.run("503 storm, async save", lambda f: f.throttle(0.25, seed=1), lambda: async_save(2)),
+        2: phases.run(
+            "503 storm, async save", lambda f: f.throttle(0.25, seed=1), lambda: async_save(2)
+        ),
         3: phases.run("outage during a save", lambda f: f.outage(OUTAGE_S), lambda: save(3)),
         4: phases.run("drop mid-body", lambda f: f.drop_mid_body(count=4), lambda: save(4)),
     }

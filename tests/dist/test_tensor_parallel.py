@@ -39,8 +39,7 @@ DECODER = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2
 # name: (model, strategy, hsdp replicate size, sequence_parallel, loss_parallel, micro-batches)
 CASES = {
     "decoder_sp": ("decoder", "full_shard", None, True, False, 1),
-    "decoder_hsdp_loss_parallel": ("decoder", "hybrid_shard", 2, False, True, 1),
-    "decoder_hsdp_no_sync": ("decoder", "hybrid_shard", 2, True, False, 2),
+    "decoder_hsdp_loss_parallel_no_sync": ("decoder", "hybrid_shard", 2, False, True, 2),
     "llama": ("llama", "full_shard", None, None, False, 1),
     "llama_hsdp_loss_parallel": ("llama", "hybrid_shard", 2, None, True, 1),
 }
