@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
+from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.keys import export_keys
 from ray_fsdp_backend.hf.load import loaded_from
 from ray_fsdp_backend.hf.peft_export import export_peft, merge_adapters
@@ -103,8 +103,7 @@ def export_hf(
     if is_peft_model(inner):  # adapters merged into the base, under the base's names
         state = merge_adapters(inner, state)
     files = _plan(state, dtype, parse_size(max_shard_size))
-    if is_local(fs):
-        fs.create_dir(root, recursive=True)
+    fs.create_dir(root, recursive=True)  # on object storage: a no-op or a marker
     write_files(fs, root, state, files, dtype)
     barrier()
     if _rank() == 0:
@@ -121,7 +120,7 @@ def export_safetensors(
     each name), so ``model.load_state_dict(safetensors.torch.load_file(path))``
     works on the unwrapped model without this package and without unpickling."""
     state = get_model_state_dict(model)
-    if is_local(fs):
+    if posixpath.dirname(root):
         fs.create_dir(posixpath.dirname(root), recursive=True)
     write_files(fs, "", state, [FilePlan(root, tuple(state), owner=0)], dtype)
     barrier()

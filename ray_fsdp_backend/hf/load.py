@@ -40,6 +40,7 @@ from ray_fsdp_backend.hf.reader import (
     SafetensorsReader,
     read_checkpoint_index,
 )
+from ray_fsdp_backend.hf.safetensors_io import UnsupportedDtypeError, check_cast
 from ray_fsdp_backend.strategies.peft import note_frozen_loaded, unwrap
 
 _SHOWN = 5
@@ -114,6 +115,11 @@ def load_pretrained(
             mapped[name] = entry
     entries = fuse_experts(mapped, shapes)
     to_load = check_fits(state, params, entries, where=os.fspath(path), rules=rules)
+    for key in to_load:
+        try:
+            check_cast(entries[key].dtype, state[key].dtype, file=entries[key].file, key=key)
+        except UnsupportedDtypeError as exc:
+            raise PretrainedCheckpointError(str(exc)) from None
     reader = SafetensorsReader(fs, {k: entries[k] for k in to_load})
     load_state = {k: state[k] for k in to_load}
     dcp.load(load_state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))

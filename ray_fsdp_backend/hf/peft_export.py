@@ -31,7 +31,6 @@ from safetensors.torch import save
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend.filesystem import is_local
 from ray_fsdp_backend.hf.peft import ADAPTER_WEIGHTS, peft_names
 from ray_fsdp_backend.hf.writer import write_bytes
 from ray_fsdp_backend.strategies.peft import peft_configs, tuner_layers, unwrap
@@ -65,8 +64,7 @@ def export_peft(
     if not dist.is_initialized() or dist.get_rank() == 0:
         for adapter, tensors in per_adapter.items():
             where = root if adapter == "default" else posixpath.join(root, adapter)
-            if is_local(fs):
-                fs.create_dir(where, recursive=True)
+            fs.create_dir(where, recursive=True)
             data = save(tensors, metadata={"format": "pt"})
             write_bytes(fs, posixpath.join(where, ADAPTER_WEIGHTS), data)
             config = copy.deepcopy(configs[adapter])

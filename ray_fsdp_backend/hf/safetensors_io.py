@@ -62,27 +62,35 @@ def to_torch_dtype(name: str, *, file: str, key: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def cast_as_numbers(tensor: torch.Tensor, dtype: torch.dtype, *, file: str, key: str):
-    """``tensor`` as ``dtype`` by value (as ``from_pretrained`` casts a
-    checkpoint tensor to a floating-point parameter's dtype).
+def check_cast(source: torch.dtype, target: torch.dtype, *, file: str, key: str) -> None:
+    """Refuse a cast by value that loses meaning: complex into a real
+    parameter, floating point into an integer or bool one.
 
     Raises:
-        UnsupportedDtypeError: a complex tensor into a real parameter, or a
-            floating-point one into an integer or bool parameter (neither has
-            a meaning-preserving cast).
+        UnsupportedDtypeError: "unsupported dtype X in FILE for KEY: why".
     """
-    if tensor.dtype == dtype:
-        return tensor
-    if tensor.is_complex() and not dtype.is_complex:
+    if source == target:
+        return
+    why = None
+    if source.is_complex and not target.is_complex:
+        why = f"cannot cast complex to {target}"
+    elif source.is_floating_point and not (target.is_floating_point or target.is_complex):
+        why = f"a floating-point tensor into a {target} parameter"
+    if why:
         raise UnsupportedDtypeError(
-            f"unsupported dtype {NAMES[tensor.dtype]} in {file!r} for {key!r}: "
-            f"cannot cast complex to {dtype}"
+            f"unsupported dtype {NAMES[source]} in {file!r} for {key!r}: {why}"
         )
-    if tensor.is_floating_point() and not (dtype.is_floating_point or dtype.is_complex):
-        raise UnsupportedDtypeError(
-            f"unsupported dtype {NAMES[tensor.dtype]} in {file!r} for {key!r}: "
-            f"a floating-point tensor into a {dtype} parameter"
-        )
+
+
+def cast_as_numbers(tensor: torch.Tensor, dtype: torch.dtype, *, file: str, key: str):
+    """``tensor`` as ``dtype`` by value (as ``from_pretrained`` casts a
+    checkpoint tensor to a floating-point parameter's dtype: ``U32`` 1 is
+    1.0, not the float with the same bits).
+
+    Raises:
+        UnsupportedDtypeError: see :func:`check_cast`.
+    """
+    check_cast(tensor.dtype, dtype, file=file, key=key)
     return tensor.to(dtype)
 
 
