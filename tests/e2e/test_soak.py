@@ -1,0 +1,26 @@
+"""The soak's short form (``benchmarks/soak.py``; the long one is 800 steps).
+
+2 CPU workers save asynchronously every 2 steps to the moto S3 server
+through the fault proxy (10% of checkpoint writes answered ``503
+SlowDown``, so retries run throughout): resident memory, descriptors and
+threads stay flat after warm-up, no temporary files remain, and the store
+keeps at most ``num_to_keep`` + 1 checkpoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import soak
+
+pytestmark = pytest.mark.e2e
+
+
+def test_async_checkpoints_with_retries_keep_a_flat_footprint():
+    out = soak.run(steps=48, every=2, keep=2, throttle=0.1)
+    for row in out["workers"]:
+        print(row)
+        assert row["rss_flat"] and row["fds_flat"] and row["threads_flat"], row
+    assert out["faults_injected"].get("throttle", 0) > 0
+    assert out["store_bounded"], out["checkpoints_left"]
+    assert out["temporary_files_left"] == []
