@@ -108,7 +108,8 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
         seconds = time.monotonic() - start
         direct = S3Server(s3.port).filesystem()
         checkpoints = CheckpointStore(direct, f"{BUCKET}/runs/soak").list_checkpoints()
-        leftovers = os.listdir(tmp)
+        # torch creates its compile cache directory there on import: not a leftover.
+        leftovers = [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")]
     out = summarize(result.return_value, steps=steps, keep=keep, checkpoints=checkpoints,
                     leftovers=leftovers, injected=dict(proxy.injected))  # fmt: skip
     settings = dict(steps=steps, every=every, keep=keep, throttle=throttle, workers=workers)

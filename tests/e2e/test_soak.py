@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_async_checkpoints_with_retries_keep_a_flat_footprint():
-    out = soak.run(steps=48, every=2, keep=2, throttle=0.1)
+    out = soak.run(steps=64, every=2, keep=2, throttle=0.1)
     for row in out["workers"]:
         print(row)
         assert row["rss_flat"] and row["fds_flat"] and row["threads_flat"], row
