@@ -1,11 +1,12 @@
 """Context parallelism on real gloo ranks against one process on whole rows.
 
-One spawned job (2 ranks, one cp group) runs every check: Ulysses attention
+One spawned job on 2 ranks (one cp group) runs the attention checks: Ulysses
 in the project's decoder (grouped-query heads, kv heads below cp repeated)
 and in a transformers Llama, packed and unpacked rows, logits and gradients;
-FSDP2 over the cp ranks trained 3 AdamW steps with the token-sum loss over
-the global token count (loss and pre-clip grad norm per step); and the
-tensors autograd saves per rank.
+the tensors autograd saves per rank; a checkpoint saved at cp 2 restored at
+cp 1. One on 4 ranks (dp_shard 2 x cp 2, through the context the backend
+builds) trains 3 AdamW steps with the trainer's loss, each step's loss and
+pre-clip grad norm against one process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ray_fsdp_backend import TrainContext, build_strategy
+from ray_fsdp_backend import TrainContext
+from ray_fsdp_backend._worker import setup_process_context
+from ray_fsdp_backend.checkpoint.sharded import load_sharded, save_sharded
+from ray_fsdp_backend.checkpoint.store import CheckpointStore
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel import (
     apply_context_parallel,
@@ -26,9 +30,8 @@ from ray_fsdp_backend.context_parallel import (
 )
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
 from ray_fsdp_backend.hf.models import build_causal_lm
-from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
-from ray_fsdp_backend.topology import topology_from_node_counts
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.trainer.train import loss_denominator
 from tests.dist.harness import run_ranks
 
 SEQ = 32
@@ -114,14 +117,9 @@ def _hf_parity(rank, world, packed):
 
 
 def _build_context(rank, world, **config) -> TrainContext:
-    """What the backend's setup_worker builds, without Ray: one node."""
+    """The context the backend builds, without Ray (one node of ``world`` ranks)."""
     settings = FSDPSettings(use_fsdp=True, use_mixed_precision=False, **config)
-    topology = topology_from_node_counts([world])
-    layout = resolve_layout(settings, topology)
-    mesh = build_device_mesh(layout, "cpu")
-    cpu = torch.device("cpu")
-    strategy = build_strategy(settings, device=cpu, local_rank=rank, mesh=mesh)
-    return TrainContext(settings, strategy, mesh, layout, topology, cpu, rank)
+    return setup_process_context(settings, torch.device("cpu"))
 
 
 def _forward(model, batch):
@@ -130,10 +128,13 @@ def _forward(model, batch):
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
 
 
-def _train(model, rows, ctx: TrainContext | None = None) -> tuple[list[float], list[float]]:
-    """3 AdamW steps with the token-sum loss over the global token count:
-    each step's global loss and pre-clip grad norm. ``ctx=None``: one process."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(
+    model, rows, ctx: TrainContext | None = None, *, steps: int = STEPS, opt=None
+) -> tuple[list[float], list[float]]:
+    """AdamW steps with the trainer's loss (token sum over the global token
+    count under cp, the rank's own count without): each step's global loss
+    and pre-clip grad norm. ``ctx=None``: one process."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
     if ctx is None:
         batch = shard_sequence(rows, 0, 1)
         count = (batch["labels"] != -100).sum()
@@ -141,9 +142,9 @@ def _train(model, rows, ctx: TrainContext | None = None) -> tuple[list[float], l
         per = rows["input_ids"].shape[0] // ctx.dp_size
         mine = {k: v[ctx.dp_rank * per : (ctx.dp_rank + 1) * per] for k, v in rows.items()}
         batch = ctx.shard_sequence(mine)
-        count = ctx.global_token_count(batch["labels"])
+        count = loss_denominator(ctx, batch["labels"])
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         loss = _token_loss(_forward(model, batch), batch["labels"], count)
         loss.backward()
         if ctx is None:
@@ -155,6 +156,7 @@ def _train(model, rows, ctx: TrainContext | None = None) -> tuple[list[float], l
         total = loss.detach().clone()
         if ctx is not None:
             dist.all_reduce(total)
+            total /= 1 if ctx.cp_size > 1 else ctx.dp_size  # cp: shares of one mean
         losses.append(float(total))
     return losses, norms
 
@@ -190,6 +192,24 @@ def _checks_dp2_cp2(rank, world, pretrained: str):
     return results
 
 
+def _reshard_cp2_to_cp1(rank, world, root):
+    """A checkpoint saved at cp 2 (mesh cp=2) restored at cp 1 (dp_shard=2):
+    the next step there against the next step at cp 2."""
+    rows = _rows(packed=False)
+    store = CheckpointStore.local(root)
+    ctx = _build_context(rank, world, context_parallel_size=2)
+    model = ctx.wrap(_decoder(kv_heads=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, rows, ctx, steps=1, opt=opt)
+    name = save_sharded(store, model, opt, extra_state={"step": 1})
+    continued = _train(model, rows, ctx, steps=1, opt=opt)
+    ctx = _build_context(rank, world)  # cp 1: mesh (dp_shard=2), each rank half the rows
+    model = ctx.wrap(_decoder(kv_heads=2, seed=7))  # other weights until the load
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_sharded(store, name, model, opt)
+    return continued, _train(model, rows, ctx, steps=1, opt=opt)
+
+
 def _saved_bytes(model, *inputs) -> int:
     """Bytes autograd saves for backward in one forward, weights excluded."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -218,7 +238,7 @@ def _activation_ratio(rank, world) -> float:
     return part / whole
 
 
-def _all_checks(rank, world):
+def _all_checks(rank, world, root):
     results = {}
     for kv_heads in (2, 1):  # 1 kv head < cp 2: repeated before the exchange
         for packed in (False, True):
@@ -226,13 +246,14 @@ def _all_checks(rank, world):
     for packed in (False, True):
         results[("hf", packed)] = _hf_parity(rank, world, packed)
     results["activations"] = _activation_ratio(rank, world)
+    results["reshard"] = _reshard_cp2_to_cp1(rank, world, root)
     return results
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     pytest.importorskip("transformers")
-    return run_ranks(_all_checks, 2)
+    return run_ranks(_all_checks, 2, str(tmp_path_factory.mktemp("ckpt")))
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +284,12 @@ def test_dp2_cp2_trains_like_one_process(results_dp2_cp2, case):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     assert ref_losses[-1] < ref_losses[0]  # it trains: the comparison is not of constants
+
+
+def test_checkpoint_saved_at_cp2_restores_at_cp1(results):
+    (loss_cp2, norm_cp2), (loss_cp1, norm_cp1) = results["reshard"]
+    assert loss_cp1 == pytest.approx(loss_cp2, rel=1e-5)
+    assert norm_cp1 == pytest.approx(norm_cp2, rel=1e-5)
 
 
 def test_saved_activations_fall_with_cp(results):
