@@ -14,6 +14,7 @@ exactly the layouts the backend does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from ray_fsdp_backend.memory import (
 from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import (
     CP_AXIS,
+    DATA_PARALLEL_AXES,
     REPLICATE_AXIS,
     SHARD_AXIS,
     TP_AXIS,
@@ -44,6 +46,7 @@ from ray_fsdp_backend.trainer.spec import (
     build_spec,
     check_spec,
     load_yaml,
+    tensor_parallel_errors,
 )
 
 EXIT_INVALID = 2
@@ -79,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config")
     plan.add_argument("--nodes", type=int, required=True, help="number of nodes")
     plan.add_argument("--gpus-per-node", type=int, required=True, help="workers per node")
+    plan.add_argument(
+        "--hf-config",
+        help="a transformers config.json (Llama family): plan that model's shape instead",
+    )
     _add_set(plan)
     plan.set_defaults(handler=cmd_plan)
 
@@ -132,11 +139,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load(args.config, args.overrides)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be at least 1")
+    if args.hf_config:
+        spec = dataclasses.replace(spec, model=model_config_from_hf(args.hf_config, spec))
     print(format_plan(spec, args.nodes, args.gpus_per_node))
     low, high = worker_range(spec.scaling.num_workers)
     if low != high:
         print(format_elastic_plan(spec, args.gpus_per_node))
     return 0
+
+
+def model_config_from_hf(path: str, spec: RunSpec) -> ModelConfig:
+    """The decoder shape of a transformers ``config.json`` (Llama family:
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``), with the
+    YAML's sequence length; the plan then counts that model's parameters.
+
+    Raises:
+        ValueError: a key is missing.
+    """
+    with open(path) as f:
+        hf = json.load(f)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [k for k in (*keys, "vocab_size") if k not in hf]
+    if missing:
+        raise ValueError(f"--hf-config {path}: no {', '.join(missing)} (a Llama-family config)")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads"),
+        ffn_hidden=hf["intermediate_size"],
+        seq_len=spec.model.seq_len,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
 
 
 def format_elastic_plan(spec: RunSpec, gpus_per_node: int) -> str:
@@ -174,6 +210,10 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
     topology = topology_from_node_counts(node_counts)
     layout = resolve_layout(spec.distributed, topology)
     cfg = spec.distributed
+    errors = tensor_parallel_errors(cfg, spec.model, None)
+    if errors:
+        raise ValueError("; ".join(errors))
+    dp_size = layout.size(DATA_PARALLEL_AXES)
     strategy = cfg.sharding_strategy if cfg.use_fsdp else None
     name = "DDP" if strategy is None else f"FSDP2 {strategy.value}"
     if strategy is not None and strategy.is_hybrid:
@@ -195,7 +235,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
     if spec.train.global_batch_size is not None:
         train = spec.train
         lines.append(
-            f"batch:    {describe_split(train.global_batch_size, world, train.micro_batch_size)}"
+            f"batch:    {describe_split(train.global_batch_size, dp_size, train.micro_batch_size)}"
         )
     for axis, what in (
         (TP_AXIS, "each layer's matrices split among these ranks; same batch"),
@@ -211,7 +251,9 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
             lines.append(f"{axis} groups ({len(groups)}; {what}):")
             lines += [f"  {format_ranks(g)}" for g in groups]
     # FSDP2 shards over dp_shard x cp (the cp ranks hold different tokens).
-    lines += format_memory(spec, strategy, layout.size((SHARD_AXIS, CP_AXIS)))
+    lines += format_memory(
+        spec, strategy, layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
+    )
     lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS))
     if cfg.use_dmuon:
         lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS))
@@ -238,7 +280,7 @@ def _describe_nodes(node_counts: Sequence[int]) -> str:
     return f"{len(node_counts)} nodes of {list(node_counts)} GPU(s)"
 
 
-def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:
+def format_memory(spec: RunSpec, strategy, shard_size: int, tp: int = 1) -> list[str]:
     model, cfg = spec.model, spec.distributed
     size = ModelSize(
         num_params=model.num_params(),
@@ -254,11 +296,13 @@ def format_memory(spec: RunSpec, strategy, shard_size: int) -> list[str]:
         reduce_fp32=cfg.fsdp_reduce_dtype == "fp32",
         cpu_offload=cfg.fsdp_cpu_offload,
         accumulate_unsharded=cfg.fsdp_accumulate_unsharded,
+        tensor_parallel=tp,
     )
+    split = f", split over tp={tp} x dp_shard={shard_size}" if tp > 1 else ""
     lines = [
         f"model:    {size.num_params / 1e6:,.1f}M parameters ({model.n_layers} blocks of "
         f"{model.block_params() / 1e6:,.2f}M), optimizer {spec.train.optimizer}",
-        "per-GPU memory, model state only (activations not included):",
+        f"per-GPU memory, model state only (activations below){split}:",
         f"  parameters  {format_bytes(est.params):>10}",
         f"  gradients   {format_bytes(est.grads):>10}",
         f"  optimizer   {format_bytes(est.optimizer):>10}",
@@ -286,7 +330,13 @@ def format_activations(spec: RunSpec, cp: int, tp: int) -> list[str]:
         micro_batch_size=spec.train.micro_batch_size,
     )
     value_bytes = 2 if cfg.use_mixed_precision else 4
-    kwargs = dict(cp=cp, tp=tp, value_bytes=value_bytes)
+    kwargs = dict(
+        cp=cp,
+        tp=tp,
+        value_bytes=value_bytes,
+        sequence_parallel=cfg.sequence_parallel_enabled,
+        loss_parallel=cfg.loss_parallel,
+    )
     kwargs["checkpointing"] = cfg.use_gradient_checkpointing
     with_scores = estimate_activations(shape, **kwargs)
     flash = estimate_activations(shape, attention_scores=False, **kwargs)

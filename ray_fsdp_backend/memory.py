@@ -17,6 +17,11 @@ full_shard / hybrid_shard     4 N / S     4 N / S     state(N) / S     2 c U + r
 shard_grad_op / _zero2        4 N / S     4 N / S     state(N) / S     c N + r U
 ============================  ==========  ==========  ===============  ======================
 
+With tensor parallelism (``T`` ranks per tp group) each matrix is split
+over the tp group before FSDP shards it, so the sharded terms divide by
+``S T`` and the unsharded units by ``T`` (norms, replicated over tp, are
+counted as split: they are a few thousand parameters).
+
 ``state`` is 8 bytes per parameter for AdamW (two fp32 moments) and, for
 Muon, 4 bytes per parameter of the blocks' weight matrices (one momentum) plus
 AdamW's 8 for the rest. ``full_shard`` keeps two units unsharded at a time
@@ -87,6 +92,7 @@ def estimate_memory(
     reduce_fp32: bool = False,
     cpu_offload: bool = False,
     accumulate_unsharded: bool = False,
+    tensor_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-GPU bytes of model state for one strategy; ``strategy=None`` is DDP.
 
@@ -101,23 +107,31 @@ def estimate_memory(
         cpu_offload: keep sharded state in host memory (FSDP only).
         accumulate_unsharded: ``no_sync`` keeps every unit's full gradient
             (``r N`` more, transient across micro-batches; FSDP only).
+        tensor_parallel: ranks of a tp group (each holds ``1 / T`` of every
+            matrix; FSDP only).
 
     Raises:
-        ValueError: unknown optimizer, or ``shard_size`` < 1.
+        ValueError: unknown optimizer, or ``shard_size`` or
+            ``tensor_parallel`` < 1.
     """
-    if shard_size < 1:
-        raise ValueError(f"shard_size={shard_size} must be at least 1")
+    if shard_size < 1 or tensor_parallel < 1:
+        raise ValueError(
+            f"shard_size={shard_size} and tensor_parallel={tensor_parallel} must be at least 1"
+        )
     state = compute_optimizer_state_bytes(size, optimizer)
     n = size.num_params
     if strategy is None:
         return MemoryEstimate(FP32_BYTES * n, FP32_BYTES * n, state, FP32_BYTES * n)
+    # A tp rank holds 1/T of every matrix: as if the model were T times smaller.
+    n, unit = math.ceil(n / tensor_parallel), math.ceil(size.largest_unit_params / tensor_parallel)
+    state = math.ceil(state / tensor_parallel)
     compute = 2 if mixed_precision else FP32_BYTES
     reduce = FP32_BYTES if (reduce_fp32 or not mixed_precision) else compute
     if strategy.reshard_after_forward:
-        unsharded = 2 * compute * size.largest_unit_params
+        unsharded = 2 * compute * unit
     else:
         unsharded = compute * n
-    transient = unsharded + reduce * size.largest_unit_params
+    transient = unsharded + reduce * unit
     if accumulate_unsharded:
         transient += reduce * n
     sharded = MemoryEstimate(
@@ -164,6 +178,8 @@ def estimate_activations(
     value_bytes: int = 4,
     attention_scores: bool = True,
     checkpointing: bool = False,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
 ) -> int:
     """Bytes one rank saves for backward in one micro-batch (an estimate).
 
@@ -175,15 +191,20 @@ def estimate_activations(
     divides. Context parallelism divides the tokens a rank holds (``s / cp``)
     while each token still attends over the whole sequence: Ulysses keeps
     ``a / cp`` heads of all ``s`` tokens, so every term falls as ``1 / cp``.
-    Activation checkpointing keeps only each block's input (``2 s b h``).
-    Logits (``s b V``, plus their fp32 copy for the loss) come on top.
+    Without sequence parallelism tp divides only the ``24`` (and scores)
+    inside attention and MLP: ``10 + 24 / tp``.
+    Activation checkpointing keeps only each block's input (``2 s b h``,
+    split over tp with sequence parallelism).
+    Logits (``s b V``, plus their fp32 copy for the loss) come on top,
+    divided by tp only with loss parallelism (else gathered on every rank).
     """
     s, b, h = shape.seq_len // cp, shape.micro_batch_size, shape.dim
     scale = value_bytes / 2
+    sp = sequence_parallel or tp == 1
     if checkpointing:
-        per_layer = 2 * s * b * h
+        per_layer = 2 * s * b * h / (tp if sp else 1)
     else:
         scores = 5 * shape.n_heads * shape.seq_len / h if attention_scores else 0
-        per_layer = s * b * h * (34 + scores) / tp
-    logits = s * b * shape.vocab_size * (value_bytes + FP32_BYTES) / tp
+        per_layer = s * b * h * ((34 + scores) / tp if sp else 10 + (24 + scores) / tp)
+    logits = s * b * shape.vocab_size * (value_bytes + FP32_BYTES) / (tp if loss_parallel else 1)
     return int(shape.n_layers * per_layer * scale + logits)

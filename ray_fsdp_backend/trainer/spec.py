@@ -374,6 +374,7 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         )
     errors += _batch_errors(train, built.get("scaling"))
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
+    errors += tensor_parallel_errors(dist, model, data)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
     if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
@@ -417,6 +418,34 @@ def _context_parallel_errors(dist, model, data, scaling) -> list[str]:
         errors.append(
             "data.source='ray_data' with distributed.context_parallel_size > 1: Ray Data "
             "splits rows by world rank, but the ranks of one cp group must read the same rows; "
+            "use data.source='corpus' (sharded by ctx.dp_rank)"
+        )
+    return errors
+
+
+def tensor_parallel_errors(dist, model, data) -> list[str]:
+    """Model shapes the tp size does not divide (the byte-level decoder's are
+    known here; a pretrained model's are checked by ``ctx.wrap``)."""
+    if dist is None or dist.tensor_parallel_size == 1:
+        return []
+    tp, errors = dist.tensor_parallel_size, []
+    if isinstance(model, ModelConfig):
+        sizes = dict(
+            n_heads=model.n_heads,
+            n_kv_heads=model.kv_heads,
+            ffn_hidden=model.hidden,
+            vocab_size=model.vocab_size,
+        )
+        bad = [f"model.{k}={v}" for k, v in sizes.items() if v % tp]
+        if bad:
+            errors.append(
+                f"distributed.tensor_parallel_size={tp} does not divide {', '.join(bad)}: "
+                "every split dimension and head count must be a multiple of the tp size"
+            )
+    if data is not None and data.source == "ray_data":
+        errors.append(
+            "data.source='ray_data' with distributed.tensor_parallel_size > 1: Ray Data "
+            "splits rows by world rank, but the ranks of one tp group must read the same rows; "
             "use data.source='corpus' (sharded by ctx.dp_rank)"
         )
     return errors

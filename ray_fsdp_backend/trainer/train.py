@@ -251,7 +251,7 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
             meter.count_tokens(inputs.numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
-        with sync, ctx.sequence_region():
+        with sync, ctx.sequence_region(), ctx.loss_parallel():
             logits = model(inputs, position_ids=batch["position_ids"])
             logits = getattr(logits, "logits", logits)  # a transformers model's output
             token_sum = F.cross_entropy(
