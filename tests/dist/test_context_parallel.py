@@ -4,9 +4,10 @@ One spawned job on 2 ranks (one cp group) runs the attention checks: Ulysses
 in the project's decoder (grouped-query heads, kv heads below cp repeated)
 and in a transformers Llama, packed and unpacked rows, logits and gradients;
 the tensors autograd saves per rank; a checkpoint saved at cp 2 restored at
-cp 1. One on 4 ranks (dp_shard 2 x cp 2, through the context the backend
-builds) trains 3 AdamW steps with the trainer's loss, each step's loss and
-pre-clip grad norm against one process.
+cp 1. One on 4 ranks, through the context the backend builds, trains 3
+AdamW steps with the trainer's loss at dp_shard 2 x cp 2 and at cp 2 x tp 2
+(Ulysses over the heads each tp rank holds), each step's loss and pre-clip
+grad norm against one process.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def _train(
         total = loss.detach().clone()
         if ctx is not None:
             dist.all_reduce(total)
-            total /= 1 if ctx.cp_size > 1 else ctx.dp_size  # cp: shares of one mean
+            # cp: each rank holds a share of one mean (tp ranks alike); else per-rank means
+            total /= ctx.tp_size if ctx.cp_size > 1 else ctx.world_size
         losses.append(float(total))
     return losses, norms
 
@@ -187,8 +189,21 @@ def _checks_dp2_cp2(rank, world, pretrained: str):
         model = ctx.wrap(_decoder(kv_heads=2))  # the reference's weights, then sharded
         results[("decoder", packed)] = (reference, _train(model, rows, ctx))
     rows = _rows(packed=True, vocab=VOCAB)
-    reference = _train(_pretrained_llama(pretrained, None), rows)
-    results["llama"] = (reference, _train(_pretrained_llama(pretrained, ctx), rows, ctx))
+    llama_reference = _train(_pretrained_llama(pretrained, None), rows)
+    results["llama"] = (llama_reference, _train(_pretrained_llama(pretrained, ctx), rows, ctx))
+    # cp 2 x tp 2: Ulysses splits the heads each tp rank holds (4 / 2 = 2 over cp 2)
+    ctx = _build_context(rank, world, context_parallel_size=2, tensor_parallel_size=2)
+    assert (ctx.dp_size, ctx.cp_size, ctx.tp_size) == (1, 2, 2)
+    rows = _rows(packed=True)
+    results[("cp_tp", "decoder")] = (
+        _train(_decoder(2), rows),
+        _train(ctx.wrap(_decoder(2)), rows, ctx),
+    )
+    rows = _rows(packed=True, vocab=VOCAB)
+    results[("cp_tp", "llama")] = (
+        llama_reference,
+        _train(_pretrained_llama(pretrained, ctx), rows, ctx),
+    )
     return results
 
 
@@ -278,8 +293,11 @@ def test_ulysses_transformers_llama_matches_one_process(results, packed):
     assert results[("hf", packed)] < 1e-5
 
 
-@pytest.mark.parametrize("case", [("decoder", False), ("decoder", True), "llama"])
-def test_dp2_cp2_trains_like_one_process(results_dp2_cp2, case):
+@pytest.mark.parametrize(
+    "case",
+    [("decoder", False), ("decoder", True), "llama", ("cp_tp", "decoder"), ("cp_tp", "llama")],
+)
+def test_dp2_cp2_and_cp2_tp2_train_like_one_process(results_dp2_cp2, case):
     (ref_losses, ref_norms), (losses, norms) = results_dp2_cp2[case]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
