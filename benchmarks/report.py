@@ -251,6 +251,31 @@ def _checkpoint_io(results: list[dict]) -> list[str]:
     ]
 
 
+def _lora(r: dict) -> list[str]:
+    rows = []
+    for row in r["rows"]:
+        full = row["full"]
+        for side in ("full", "lora_r8", "lora_r64"):
+            m = row[side]
+            state = m["state"]
+            rows.append([
+                row["world_size"], side.replace("_", " "), f"{m['trainable_params'] / 1e6:.2f}M",
+                _mib(state["params"]), _mib(state["grads"]), _mib(state["optimizer"]),
+                _mib(m["peak_bytes_per_rank"]), f"{m['step_s']:.3f}",
+                f"{m['step_s'] / full['step_s']:.2f}", _mib(m["checkpoint_bytes"]),
+                _over(m["checkpoint_bytes"], full["checkpoint_bytes"]),
+            ])  # fmt: skip
+    header = ["ranks", "training", "trainable", "params MiB/rank", "grads MiB/rank",
+              "optimizer MiB/rank", "peak MiB added by steps/rank", "step s", "step × full",
+              "checkpoint MiB per save", "checkpoint × full"]  # fmt: skip
+    return [
+        f"#### 10. LoRA (q/k/v/o_proj, r 8 and 64) vs full fine-tuning: {r['params'] / 1e6:.0f}M "
+        f"parameters, fp32, FSDP2 full_shard, batch {r['batch']} x {r['seq']} per rank",
+        "",
+        *_table(header, rows),
+    ]
+
+
 SECTIONS = {
     "step_time": lambda r: _step_time(r) + _memory(r),
     "clipping": _clipping,
@@ -260,6 +285,7 @@ SECTIONS = {
     "compile": _compile,
     "pretrained": _pretrained,
     "checkpoint_io": _checkpoint_io,
+    "lora": _lora,
 }
 
 

@@ -14,6 +14,8 @@ medians and the median ratio):
    on every rank, peak host memory and time (``pretrained``);
 9. checkpoint save/restore on local disk and S3 (moto), bytes read per
    restore, training stall per checkpoint sync vs async (``checkpoint_io``);
+10. LoRA r 8 and r 64 vs full fine-tuning: memory, step time and checkpoint
+    bytes per rank (``lora``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
@@ -42,6 +44,7 @@ from benchmarks import (
     clipping,
     compile_bench,
     dmuon_bench,
+    lora_bench,
     pretrained,
     report,
     scaling,
@@ -59,6 +62,7 @@ COMPARISONS = (
     "compile",
     "pretrained",
     "checkpoint_io",
+    "lora",
 )
 
 TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
@@ -77,6 +81,7 @@ SETTINGS = {
         "compile": dict(world=2, model=SMALL, batch=4, accum=1, reps=7, steps=3),
         "pretrained": dict(worlds=(1, 2, 4), dim=512, layers=8, vocab=32000, reps=2),
         "checkpoint_io": dict(worlds=(2, 4, 8), model=SMALL, reps=2, steps=10),
+        "lora": dict(worlds=(2, 4), dim=512, layers=8, vocab=32000, steps=3, batch=2, seq=128),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
@@ -87,6 +92,7 @@ SETTINGS = {
         "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
         "pretrained": dict(worlds=(1, 2), dim=64, layers=2, vocab=512, reps=1),
         "checkpoint_io": dict(worlds=(2,), model=TINY, reps=1, steps=2),
+        "lora": dict(worlds=(2,), dim=64, layers=2, vocab=512, steps=1, batch=2, seq=16),
     },
 }
 
@@ -138,6 +144,10 @@ def run_pretrained(**kwargs) -> dict:
     return pretrained.run(run_ranks, **kwargs)
 
 
+def run_lora(**kwargs) -> dict:
+    return lora_bench.run(run_ranks, **kwargs)
+
+
 RUNNERS = {
     "step_time": run_step_time,
     "clipping": run_clipping,
@@ -147,6 +157,7 @@ RUNNERS = {
     "compile": run_compile,
     "pretrained": run_pretrained,
     "checkpoint_io": checkpoint_io.run,
+    "lora": run_lora,
 }
 
 

@@ -40,6 +40,7 @@ from ray_fsdp_backend.topology import (
     topology_from_node_counts,
 )
 from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.spec import (
     RunSpec,
     apply_overrides,
@@ -282,10 +283,12 @@ def _describe_nodes(node_counts: Sequence[int]) -> str:
 
 def format_memory(spec: RunSpec, strategy, shard_size: int, tp: int = 1) -> list[str]:
     model, cfg = spec.model, spec.distributed
+    frozen = model.frozen_params() if isinstance(model, PretrainedModelConfig) else 0
     size = ModelSize(
         num_params=model.num_params(),
         largest_unit_params=max(model.block_params(), model.embedding_params()),
         matrix_params=model.matrix_params(),
+        frozen_params=frozen,
     )
     est = estimate_memory(
         size,
@@ -297,11 +300,13 @@ def format_memory(spec: RunSpec, strategy, shard_size: int, tp: int = 1) -> list
         cpu_offload=cfg.fsdp_cpu_offload,
         accumulate_unsharded=cfg.fsdp_accumulate_unsharded,
         tensor_parallel=tp,
+        frozen_bytes=model.frozen_dtype_bytes if frozen else 4,
     )
     split = f", split over tp={tp} x dp_shard={shard_size}" if tp > 1 else ""
     lines = [
         f"model:    {size.num_params / 1e6:,.1f}M parameters ({model.n_layers} blocks of "
         f"{model.block_params() / 1e6:,.2f}M), optimizer {spec.train.optimizer}",
+        *_frozen_lines(model, size, shard_size * tp),
         f"per-GPU memory, model state only (activations below){split}:",
         f"  parameters  {format_bytes(est.params):>10}",
         f"  gradients   {format_bytes(est.grads):>10}",
@@ -346,6 +351,19 @@ def format_activations(spec: RunSpec, cp: int, tp: int) -> list[str]:
         f"{model.seq_len} tokens{split} (estimate):",
         f"  {format_bytes(with_scores):>10}  kernels that keep attention scores (CPU)",
         f"  {format_bytes(flash):>10}  flash / memory-efficient attention (GPU)",
+    ]
+
+
+def _frozen_lines(model, size: ModelSize, shard_size: int) -> list[str]:
+    """With LoRA: the frozen base and the adapters, each per GPU."""
+    if not size.frozen_params:
+        return []
+    base = model.frozen_dtype_bytes * size.frozen_params
+    return [
+        f"lora:     frozen base {size.frozen_params / 1e6:,.1f}M ({model.base_dtype}, "
+        f"{format_bytes(math.ceil(base / shard_size))} per GPU), adapters "
+        f"{size.trainable_params / 1e6:,.3f}M trainable (gradients and optimizer state "
+        "for these only)",
     ]
 
 

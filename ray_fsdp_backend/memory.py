@@ -24,7 +24,11 @@ counted as split: they are a few thousand parameters).
 
 ``state`` is 8 bytes per parameter for AdamW (two fp32 moments) and, for
 Muon, 4 bytes per parameter of the blocks' weight matrices (one momentum) plus
-AdamW's 8 for the rest. ``full_shard`` keeps two units unsharded at a time
+AdamW's 8 for the rest. Frozen parameters (a LoRA base, ``F`` of the ``N``)
+take ``f`` bytes each (their dtype) and no gradient or optimizer state:
+the params column becomes ``4 (N - F) + f F`` and the gradients and
+optimizer state count the ``N - F`` trainable parameters only; reduction
+buffers hold at most the trainable ones. ``full_shard`` keeps two units unsharded at a time
 (the running one and the prefetched next); the ZeRO-2 modes keep every unit
 unsharded from forward until its backward. With CPU offload the sharded
 parameters, gradients and optimizer state live in host memory instead.
@@ -54,7 +58,14 @@ class ModelSize:
     """Parameters of the largest FSDP unit (a transformer block, or the root)."""
 
     matrix_params: int = 0
-    """Parameters Muon updates (the blocks' 2-D weights); the rest use AdamW."""
+    """Parameters Muon updates (the blocks' trainable 2-D weights); the rest use AdamW."""
+
+    frozen_params: int = 0
+    """Parameters that are not trained (a LoRA base): no gradient, no optimizer state."""
+
+    @property
+    def trainable_params(self) -> int:
+        return self.num_params - self.frozen_params
 
 
 @dataclass(frozen=True)
@@ -77,8 +88,8 @@ def compute_optimizer_state_bytes(size: ModelSize, optimizer: str) -> int:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"train.optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if optimizer == "adamw":
-        return ADAMW_STATE_BYTES * size.num_params
-    rest = size.num_params - size.matrix_params
+        return ADAMW_STATE_BYTES * size.trainable_params
+    rest = size.trainable_params - size.matrix_params
     return MUON_STATE_BYTES * size.matrix_params + ADAMW_STATE_BYTES * rest
 
 
@@ -93,6 +104,7 @@ def estimate_memory(
     cpu_offload: bool = False,
     accumulate_unsharded: bool = False,
     tensor_parallel: int = 1,
+    frozen_bytes: int = FP32_BYTES,
 ) -> MemoryEstimate:
     """Per-GPU bytes of model state for one strategy; ``strategy=None`` is DDP.
 
@@ -109,6 +121,7 @@ def estimate_memory(
             (``r N`` more, transient across micro-batches; FSDP only).
         tensor_parallel: ranks of a tp group (each holds ``1 / T`` of every
             matrix; FSDP only).
+        frozen_bytes: bytes per frozen parameter (2 for a bf16 LoRA base).
 
     Raises:
         ValueError: unknown optimizer, or ``shard_size`` or
@@ -119,11 +132,13 @@ def estimate_memory(
             f"shard_size={shard_size} and tensor_parallel={tensor_parallel} must be at least 1"
         )
     state = compute_optimizer_state_bytes(size, optimizer)
-    n = size.num_params
+    n, trained = size.num_params, size.trainable_params
+    weights = FP32_BYTES * trained + frozen_bytes * size.frozen_params
     if strategy is None:
-        return MemoryEstimate(FP32_BYTES * n, FP32_BYTES * n, state, FP32_BYTES * n)
+        return MemoryEstimate(weights, FP32_BYTES * trained, state, FP32_BYTES * trained)
     # A tp rank holds 1/T of every matrix: as if the model were T times smaller.
     n, unit = math.ceil(n / tensor_parallel), math.ceil(size.largest_unit_params / tensor_parallel)
+    trained, weights = math.ceil(trained / tensor_parallel), math.ceil(weights / tensor_parallel)
     state = math.ceil(state / tensor_parallel)
     compute = 2 if mixed_precision else FP32_BYTES
     reduce = FP32_BYTES if (reduce_fp32 or not mixed_precision) else compute
@@ -131,12 +146,12 @@ def estimate_memory(
         unsharded = 2 * compute * unit
     else:
         unsharded = compute * n
-    transient = unsharded + reduce * unit
+    transient = unsharded + reduce * min(unit, trained)
     if accumulate_unsharded:
-        transient += reduce * n
+        transient += reduce * trained
     sharded = MemoryEstimate(
-        params=math.ceil(FP32_BYTES * n / shard_size),
-        grads=math.ceil(FP32_BYTES * n / shard_size),
+        params=math.ceil(weights / shard_size),
+        grads=math.ceil(FP32_BYTES * trained / shard_size),
         optimizer=math.ceil(state / shard_size),
         transient=transient,
     )

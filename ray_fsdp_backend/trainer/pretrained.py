@@ -8,12 +8,15 @@ pretrained checkpoint directory::
       pretrained: /data/llama-3-8b      # or s3://bucket/llama-3-8b
       seq_len: 512                       # tokens per training row
       export: /mnt/shared/llama-ft       # HF-layout export after the last step
+      lora: {r: 8, target_modules: [q_proj, v_proj]}   # optional: adapters only
 
 The worker builds the model from its ``config.json`` on the meta device,
 wraps it, loads the weights shard by shard
 (:func:`~ray_fsdp_backend.hf.load_pretrained`) and tokenizes the
-corpus with the tokenizer saved beside the weights. ``ray-fsdp plan`` counts
-parameters on a meta-device model built from ``config.json``: no weights read.
+corpus with the tokenizer saved beside the weights. With ``lora:`` it trains
+LoRA adapters on the frozen base (:mod:`ray_fsdp_backend.trainer.lora`).
+``ray-fsdp plan`` counts parameters on a meta-device model built from
+``config.json``: no weights read.
 ``transformers`` is imported on use only.
 """
 
@@ -26,6 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ray_fsdp_backend.trainer.lora import LoraOptions, apply_lora
+
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPORT_FORMATS = ("hf", "peft")
+
 
 @dataclass(frozen=True)
 class PretrainedModelConfig:
@@ -36,8 +44,16 @@ class PretrainedModelConfig:
     seq_len: int = 128
     """Tokens per training row."""
     export: str | None = None
-    """Directory the fine-tuned model is exported to in Hugging Face layout after
-    the last step (a path every worker sees); None: no export."""
+    """Directory the fine-tuned model is exported to after the last step (a
+    path every worker sees); None: no export."""
+    export_format: str = "hf"
+    """``hf``: Hugging Face layout (with ``lora``: adapters merged into the
+    base); ``peft``: the adapters only, as ``PeftModel.from_pretrained`` reads them."""
+    lora: LoraOptions | None = None
+    """Train LoRA adapters on the frozen base (``r``, ``alpha``, ``dropout``,
+    ``target_modules``); None: full fine-tuning."""
+    base_dtype: str = "fp32"
+    """``fp32`` or ``bf16``: the dtype the (frozen) base is held in; adapters stay fp32."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PretrainedModelConfig:
@@ -54,25 +70,43 @@ class PretrainedModelConfig:
             raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
         if values.get("export") is not None and not isinstance(values["export"], str):
             raise ValueError(f"export={values['export']!r} must be a path or null")
+        values = dict(values)
+        if values.get("lora") is not None:
+            values["lora"] = LoraOptions.from_dict(values["lora"])
+        if values.get("base_dtype", "fp32") not in BASE_DTYPES:
+            raise ValueError(f"base_dtype={values['base_dtype']!r} is not one of fp32, bf16")
+        export_format = values.get("export_format", "hf")
+        if export_format not in EXPORT_FORMATS:
+            raise ValueError(f"export_format={export_format!r} is not one of hf, peft")
+        if export_format == "peft" and values.get("lora") is None:
+            raise ValueError("export_format='peft' writes LoRA adapters: it needs model.lora")
         return cls(**values)
 
     # -- the sizes `ray-fsdp plan` reports (ModelConfig's interface) ----------
 
     @property
     def n_layers(self) -> int:
-        return _sizes(self.pretrained)["n_layers"]
+        return _sizes(self.pretrained, self.lora)["n_layers"]
 
     def num_params(self) -> int:
-        return _sizes(self.pretrained)["num_params"]
+        return _sizes(self.pretrained, self.lora)["num_params"]
 
     def block_params(self) -> int:
-        return _sizes(self.pretrained)["block_params"]
+        return _sizes(self.pretrained, self.lora)["block_params"]
 
     def embedding_params(self) -> int:
-        return _sizes(self.pretrained)["embedding_params"]
+        return _sizes(self.pretrained, self.lora)["embedding_params"]
 
     def matrix_params(self) -> int:
-        return _sizes(self.pretrained)["matrix_params"]
+        return _sizes(self.pretrained, self.lora)["matrix_params"]
+
+    def frozen_params(self) -> int:
+        """Parameters without gradients or optimizer state (the base under LoRA)."""
+        return _sizes(self.pretrained, self.lora)["frozen_params"]
+
+    @property
+    def frozen_dtype_bytes(self) -> int:
+        return BASE_DTYPES[self.base_dtype].itemsize
 
 
 def build_model_section(values: dict[str, Any]):
@@ -85,16 +119,20 @@ def build_model_section(values: dict[str, Any]):
 
 
 @functools.lru_cache(maxsize=8)
-def _sizes(path: str) -> dict[str, int]:
-    """Parameter counts of the model ``config.json`` describes, from a meta
-    model (nothing allocated, no weights read)."""
+def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
+    """Parameter counts of the model ``config.json`` describes (with its
+    LoRA adapters), from a meta model (nothing allocated, no weights read)."""
     from ray_fsdp_backend.hf.models import build_causal_lm
 
     model = build_causal_lm(path)
+    if lora is not None:
+        model = apply_lora(model, lora)
     blocks = _layer_lists(model)
     block = max((_count(b) for b in blocks), default=0)
     in_blocks = sum(_count(b) for b in blocks)
-    matrices = sum(p.numel() for b in blocks for p in b.parameters() if p.ndim >= 2)
+    matrices = sum(
+        p.numel() for b in blocks for p in b.parameters() if p.ndim >= 2 and p.requires_grad
+    )
     total = _count(model)
     return dict(
         n_layers=len(blocks),
@@ -102,6 +140,7 @@ def _sizes(path: str) -> dict[str, int]:
         block_params=block,
         embedding_params=total - in_blocks,
         matrix_params=matrices,
+        frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
     )
 
 
@@ -118,10 +157,15 @@ def _count(module: nn.Module) -> int:
 
 
 def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
-    """The pretrained model, wrapped by ``ctx`` and loaded shard by shard."""
+    """The pretrained model (with LoRA adapters under ``cfg.lora``), wrapped
+    by ``ctx`` and loaded shard by shard."""
     from ray_fsdp_backend.hf.models import build_causal_lm
 
-    model = ctx.wrap(build_causal_lm(cfg.pretrained))
+    dtype = BASE_DTYPES[cfg.base_dtype]
+    model = build_causal_lm(cfg.pretrained, dtype=dtype)
+    if cfg.lora is not None:
+        model = apply_lora(model, cfg.lora)  # adapters fp32 (peft's autocast_adapter_dtype)
+    model = ctx.wrap(model)
     ctx.load_pretrained(model, cfg.pretrained)
     return model
 

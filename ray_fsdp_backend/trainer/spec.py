@@ -279,7 +279,7 @@ def _section_errors(
                 del remaining[key]
 
 
-_EXTRA_KEYS = {"model": {"preset", "pretrained", "export"}}
+_EXTRA_KEYS = {"model": {"preset", "pretrained", "export", "export_format", "lora", "base_dtype"}}
 
 
 def _names_key(message: str, key: str) -> bool:

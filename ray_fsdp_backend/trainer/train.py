@@ -114,8 +114,8 @@ def run_training(
             on_step(step)
     if run.board is not None:
         run.board.close()
-    if getattr(spec.model, "export", None):
-        ctx.export_model(run.model, spec.model.export)  # Hugging Face layout
+    if isinstance(spec.model, PretrainedModelConfig) and spec.model.export:
+        ctx.export_model(run.model, spec.model.export, format=spec.model.export_format)
     return run.history
 
 
@@ -311,8 +311,9 @@ def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
             adamw_lr=opts.adamw_lr,
             adamw_weight_decay=0.0,
         )
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": opts.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

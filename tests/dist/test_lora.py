@@ -116,14 +116,14 @@ def _four_ranks(rank, world, path, root):
     opt = _optimizer(model)
     _train(strategy, model, opt, rank, world, 2)
     save_sharded(CheckpointStore.local(root), model, opt, extra_state={"step": 2})
-    return logits, start, _trainable(model)
+    return logits, start
 
 
 # -- 2 ranks ---------------------------------------------------------------------------
 
 
 def _two_ranks(rank, world, path, root4, root2):
-    out = {}
+    out = {"resumed": _resume_four(rank, world, path, root4)}
     # bf16 frozen base, fp32 adapters in the same FSDP units.
     _, model = _wrap("full_shard", rank, world, path, dtype=torch.bfloat16)
     dtypes = {p.dtype: p.requires_grad for p in model.parameters()}
@@ -137,7 +137,54 @@ def _two_ranks(rank, world, path, root4, root2):
         out[f"{name}/train"] = (start, losses, _trainable(model))
         if name == "full_shard":
             out["memory"] = _memory(model, opt, world)
+            out.update(_checkpoint_and_export(rank, world, path, model, opt, root2))
+    out["dmuon"] = _dmuon_step(rank, world, path)
     return out
+
+
+def _dmuon_step(rank, world, path):
+    """DMuon plans the trainable matrices only; one step moves the adapters."""
+    from ray_fsdp_backend import dmuon
+
+    config = FSDPConfig(use_fsdp=True, use_dmuon=True, use_mixed_precision=False)
+    strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)
+    model = strategy.wrap(_peft_model(path))
+    load_pretrained(model, path)
+    opt = dmuon.Muon(model, lr=0.02, ns_dtype=torch.float32)
+    before = _trainable(model)
+    _train(strategy, model, opt, rank, world, 1)
+    return opt.param_names, before, _trainable(model)
+
+
+def _resume_four(rank, world, path, root4):
+    """The 4-rank checkpoint (after 2 steps) onto 2 ranks, then step 3."""
+    strategy, model = _wrap("full_shard", rank, world, path)
+    opt = _optimizer(model)
+    extra = load_sharded(
+        CheckpointStore.local(root4), find_latest(CheckpointStore.local(root4)), model, opt
+    )
+    losses = _train(strategy, model, opt, rank, world, 1, first=2)
+    return extra, losses, _trainable(model)
+
+
+def _checkpoint_and_export(rank, world, path, model, opt, root):
+    store = CheckpointStore.local(root)
+    save_sharded(store, model, opt, extra_state={"step": STEPS})
+    errors = {}
+    for label, kwargs in [("random_base", dict(load=False)), ("rank8", dict(r=8))]:
+        _, other = _wrap("full_shard", rank, world, path, **kwargs)
+        try:
+            load_sharded(store, find_latest(store), other, _optimizer(other))
+        except CheckpointMismatchError as exc:
+            errors[label] = str(exc)
+    from ray_fsdp_backend.hf import export_model
+
+    export_model(model, os.path.join(root, "peft"), format="peft")
+    export_model(model, os.path.join(root, "merged"), format="hf", dtype=torch.float32)
+    # The adapter directory back into a freshly loaded base.
+    _, reloaded = _wrap("full_shard", rank, world, path)
+    load_pretrained(reloaded, os.path.join(root, "peft"))
+    return {"errors": errors, "trained": _logits(model), "reloaded": _logits(reloaded)}
 
 
 def _memory(model, opt, world):
@@ -202,8 +249,13 @@ def four(llama, ckpt4):
 
 
 @pytest.fixture(scope="module")
-def two(llama, four, ckpt4, tmp_path_factory):
-    return run_ranks(_two_ranks, 2, llama, ckpt4, str(tmp_path_factory.mktemp("ckpt2")))
+def ckpt2(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt2"))
+
+
+@pytest.fixture(scope="module")
+def two(llama, four, ckpt4, ckpt2):
+    return run_ranks(_two_ranks, 2, llama, ckpt4, ckpt2)
 
 
 def test_logits_after_load_equal_the_base_model(llama, four, two):
@@ -227,6 +279,61 @@ def test_adamw_steps_equal_single_process_peft(llama, two):
         for key, value in want.items():
             torch.testing.assert_close(end[key], value, atol=2e-6, rtol=1e-5, msg=f"{name} {key}")
         assert not torch.allclose(end[key], start[key])  # it trained
+
+
+def test_checkpoint_reshards_four_to_two_and_resumes_exactly(llama, four, two):
+    _, start = four
+    extra, losses, end = two["resumed"]
+    assert extra == {"step": 2}
+    want_losses, want = _reference(llama, start)
+    assert losses == pytest.approx(want_losses[2:], abs=1e-5)
+    for key, value in want.items():
+        torch.testing.assert_close(end[key], value, atol=2e-6, rtol=1e-5, msg=key)
+
+
+def test_checkpoint_holds_only_trainable_state(llama, two, ckpt2):
+    import torch.distributed.checkpoint as dcp
+
+    _, _, end = two["full_shard/train"]
+    store = CheckpointStore.local(ckpt2)
+    metadata = dcp.FileSystemReader(store.path(find_latest(store))).read_metadata()
+    tensors = {
+        k: v.size.numel() * v.properties.dtype.itemsize
+        for k, v in metadata.state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
+    assert not [k for k in tensors if "base_layer" in k or "embed_tokens" in k or "mlp" in k]
+    # Each adapter, its two Adam moments and a 4-byte step count: nothing of the base.
+    adapters = sum(v.numel() * 4 for v in end.values())
+    assert sum(tensors.values()) == 3 * adapters + 4 * len(end)
+    errors = two["errors"]
+    assert "initialised at random and never loaded" in errors["random_base"]
+    assert "LoRA adapters are q_proj r=4, v_proj r=4, the model's are q_proj r=8" in errors["rank8"]
+
+
+def test_exports_load_with_peft_and_from_pretrained(llama, two, ckpt2):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trained = two["trained"]
+    assert not torch.allclose(trained, _base_logits(llama), atol=1e-3)
+    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(base, os.path.join(ckpt2, "peft"))(input_ids()).logits
+        merged_model = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt2, "merged"))
+        merged = merged_model(input_ids()).logits
+    torch.testing.assert_close(adapted, trained, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, trained, atol=1e-5, rtol=1e-5)
+    assert not any("lora" in k for k in merged_model.state_dict())
+    # load_pretrained reads the adapter directory back onto a loaded base.
+    torch.testing.assert_close(two["reloaded"], trained, atol=1e-6, rtol=1e-6)
+
+
+def test_dmuon_plans_only_the_adapters(two):
+    names, before, after = two["dmuon"]
+    assert names and all(".lora_" in n for n in names)
+    assert len(names) == len(before)  # every adapter is a 2-D block matrix
+    assert all(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)
 
 
 def test_only_adapters_get_gradients_and_optimizer_state(two):

@@ -31,7 +31,7 @@ def test_every_comparison_is_reported(results):
     assert set(run.COMPARISONS) <= set(data)
     for heading in ("1. Step time", "2. Memory", "3. Clipping", "4. Start-up", "5. DMuon",
                     "6. Scaling", "7. `compile: true`", "8. Loading a pretrained",
-                    "9. Checkpoints"):  # fmt: skip
+                    "9. Checkpoints", "10. LoRA"):  # fmt: skip
         assert f"#### {heading}" in md
     assert data["machine"]["torch"] == torch.__version__
 
@@ -93,3 +93,16 @@ def test_gpu_benchmark_runs_on_cpu_and_skips_without_gpu(tmp_path):
         skipped = subprocess.run([sys.executable, "-m", "benchmarks.gpu"], check=True,
                                  capture_output=True, text=True, timeout=120)  # fmt: skip
         assert "skipped, no CUDA GPU" in skipped.stdout
+
+
+def test_lora_trains_and_stores_less_than_full_fine_tuning(results):
+    data, _ = results
+    for row in data["lora"]["rows"]:
+        full, r8, r64 = row["full"], row["lora_r8"], row["lora_r64"]
+        # Gradients and optimizer state follow the trainable parameters (r 64 on
+        # the quick run's 64-wide model is almost as large as the model itself).
+        for key in ("grads", "optimizer"):
+            assert r8["state"][key] < r64["state"][key] < full["state"][key], key
+        assert r8["state"]["grads"] < full["state"]["grads"] / 4
+        assert r8["checkpoint_bytes"] < r64["checkpoint_bytes"] < full["checkpoint_bytes"]
+        assert r8["state"]["params"] > full["state"]["params"]  # the base plus the adapters

@@ -1,9 +1,11 @@
-"""The README's fine-tuning section end to end: ``ray-fsdp train
-examples/finetune_hf.yaml`` on a tiny pretrained Llama made here, then the HF
-export loaded by ``transformers`` alone in a fresh process."""
+"""The fine-tuning pages end to end: ``ray-fsdp train examples/finetune_hf.yaml``
+and ``examples/finetune_lora.yaml`` on a tiny pretrained Llama made here, then
+the HF export loaded by ``transformers`` alone, and the PEFT export by
+``peft``, in a fresh process."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,18 +32,15 @@ for path in sys.argv[1:3]:
 """
 
 
-def test_finetune_hf_yaml_trains_and_exports(tmp_path):
-    from ray_fsdp_backend.trainer.tiny_pretrained import CORPUS, save_tiny_pretrained
-
-    pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained", tied=True)
-    export = tmp_path / "finetuned"
+def _train_example(example: str, tmp_path, pretrained, export, name: str) -> str:
+    """``ray-fsdp train examples/<example>`` on ``pretrained``; returns the log."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [
-            sys.executable, "-m", "ray_fsdp_backend.cli", "train", "examples/finetune_hf.yaml",
+            sys.executable, "-m", "ray_fsdp_backend.cli", "train", f"examples/{example}",
             "--set", f"model.pretrained={pretrained}", "--set", f"model.export={export}",
-            "--set", f"run.storage_path={tmp_path}", "--set", "run.name=ft",
+            "--set", f"run.storage_path={tmp_path}", "--set", f"run.name={name}",
         ],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
@@ -49,14 +48,65 @@ def test_finetune_hf_yaml_trains_and_exports(tmp_path):
     assert out.returncode == 0, log[-4000:]
     first, last = map(float, re.search(r"loss (\S+) \(step 1\) -> (\S+) \(step 20\)", log).groups())
     assert last < first
+    return log
 
+
+def _eval(script: str, *args, cwd) -> list[float]:
+    from ray_fsdp_backend.trainer.tiny_pretrained import CORPUS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    out = subprocess.run(  # without PYTHONPATH: transformers and peft only, no code of ours
+        [sys.executable, "-c", script, *map(str, args), CORPUS],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return [float(x) for x in out.stdout.split()]
+
+
+def test_finetune_hf_yaml_trains_and_exports(tmp_path):
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+
+    pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained", tied=True)
+    export = tmp_path / "finetuned"
+    _train_example("finetune_hf.yaml", tmp_path, pretrained, export, "ft")
     assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(
         os.listdir(export)
     )
-    plain = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # transformers only
-    losses = subprocess.run(
-        [sys.executable, "-c", _EVAL, pretrained, str(export), CORPUS],
-        cwd=tmp_path, env=plain, capture_output=True, text=True, timeout=120, check=True,
-    ).stdout.split()  # fmt: skip
-    before, after = map(float, losses)
+    before, after = _eval(_EVAL, pretrained, export, cwd=tmp_path)
     assert after < before - 0.05, (before, after)
+
+
+_EVAL_PEFT = """
+import sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+text = open(sys.argv[3], encoding="utf-8").read()
+ids = AutoTokenizer.from_pretrained(sys.argv[1])(text)["input_ids"][: 8 * 64]
+ids = torch.tensor(ids).reshape(8, 64)
+base = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+with torch.no_grad():
+    print(float(base(ids, labels=ids).loss))
+    print(float(PeftModel.from_pretrained(base, sys.argv[2])(ids, labels=ids).loss))
+"""
+
+
+def test_finetune_lora_yaml_checkpoints_adapters_and_exports_peft(tmp_path):
+    """LoRA adapters on the frozen base: the run's checkpoints hold the
+    adapters only, the PEFT export loads with ``peft`` alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+
+    pytest.importorskip("peft")
+    pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained")
+    export = tmp_path / "adapters"
+    log = _train_example("finetune_lora.yaml", tmp_path, pretrained, export, "lora")
+    folders = sorted(p.parent for p in (tmp_path / "lora").rglob(".metadata"))
+    assert folders, log[-2000:]
+    keys = dcp.FileSystemReader(str(folders[-1])).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert weights and all(".lora_" in k for k in weights), weights
+    with open(export / "adapter_config.json") as f:
+        config = json.load(f)
+    assert (config["r"], sorted(config["target_modules"])) == (8, ["q_proj", "v_proj"])
+    before, after = _eval(_EVAL_PEFT, pretrained, export, cwd=tmp_path)
+    assert after < before - 0.02, (before, after)

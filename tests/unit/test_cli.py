@@ -25,6 +25,7 @@ NAMES = [
     "elastic_spot",
     "finetune_hf",
     "long_context",
+    "finetune_lora",
 ]
 
 

@@ -3,6 +3,7 @@ pretrained config: counts from ``config.json`` alone, no weights."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,12 @@ def test_example_yaml_builds_a_pretrained_model_section():
         ({"pretrained": "/x", "dim": 64}, {}, "model.dim=64: not a key next to model.pretrained"),
         ({"pretrained": "/x", "seq_len": 1}, {}, "seq_len=1 must be an int >= 2"),
         ({"pretrained": "/x"}, {"source": "ray_data", "path": "/d"}, "data.source='corpus'"),
+        ({"pretrained": "/x", "lora": {"r": 0}}, {}, "model.lora.r=0 must be a positive int"),
+        ({"pretrained": "/x", "lora": {"rank": 8}}, {}, "model.lora: unknown key(s) ['rank']"),
+        ({"pretrained": "/x", "lora": {"alpha": -1}}, {}, "model.lora.alpha=-1"),
+        ({"pretrained": "/x", "lora": {"target_modules": "q"}}, {}, "target_modules='q'"),
+        ({"pretrained": "/x", "base_dtype": "fp16"}, {}, "base_dtype='fp16' is not one of"),
+        ({"pretrained": "/x", "export_format": "peft"}, {}, "it needs model.lora"),
     ],
 )
 def test_bad_pretrained_sections_are_named(model, data, words):
@@ -57,3 +64,29 @@ def test_plan_counts_parameters_from_config_json(tmp_path, capsys):
     assert rc == 0
     # Llama-3-8B: 8,030,261,248 parameters in 32 blocks of 218,112,000.
     assert "8,030.3M parameters (32 blocks of 218.11M)" in out, out
+
+
+LORA_EXAMPLE = EXAMPLE.with_name("finetune_lora.yaml")
+
+
+def test_plan_counts_frozen_base_and_adapters(tmp_path, capsys):
+    path = _llama_8b_config(tmp_path / "llama-3-8b")
+    argv = ["plan", str(LORA_EXAMPLE), "--nodes", "1", "--gpus-per-node", "8",
+            "--set", f"model.pretrained={path}", "--set", "model.base_dtype=bf16"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # r=8 on q_proj (4096 -> 4096) and v_proj (4096 -> 1024) in 32 blocks: 3.4M adapters.
+    assert "frozen base 8,030.3M (bf16, 1.9 GiB per GPU), adapters 3.408M trainable" in out, out
+    gradients = re.search(r"\n  gradients\s+(\S+) (\S+)", out).groups()
+    assert gradients == ("1.6", "MiB"), out  # 3.4M fp32 gradients over 8 GPUs
+
+
+def test_lora_target_matching_no_layer_is_named(tmp_path):
+    from ray_fsdp_backend.trainer.pretrained import _sizes
+
+    path = _llama_8b_config(tmp_path / "llama")
+    spec = build_spec(load_yaml(LORA_EXAMPLE) | {"model": {
+        "pretrained": path, "lora": {"target_modules": ["q_proj", "qkv"]}}})  # fmt: skip
+    _sizes.cache_clear()
+    with pytest.raises(ValueError, match=r"target_modules=\['q_proj', 'qkv'\]: \['qkv'\] match"):
+        spec.model.num_params()
