@@ -191,7 +191,7 @@ def materialize_meta_module(
                     reset()
         if peft:  # the model's init gave adapters nn.Linear's; PEFT's starts lora_B at 0
             reset_adapters(model, meta_params)
-            note_random_frozen(model, meta_params)
+        note_random_frozen(model, meta_params)  # until load_pretrained fills the base
         current = dict(_named_tensors(model))
         for name, value in real.items():  # values the caller gave win over init
             current[name].copy_(value)
