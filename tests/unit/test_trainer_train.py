@@ -44,6 +44,9 @@ class FakeContext:
     def sequence_region(self):
         return contextlib.nullcontext()
 
+    def loss_parallel(self):
+        return contextlib.nullcontext()
+
 
 def test_lr_warms_up_linearly_then_decays_to_the_floor():
     opts = TrainOptions(steps=100, warmup_steps=10, min_lr_ratio=0.1)
