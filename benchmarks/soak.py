@@ -72,9 +72,11 @@ def train_soak(config: dict) -> dict:
 
 
 def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
-        workers=2) -> dict:  # fmt: skip
+        workers=2, windows=8) -> dict:  # fmt: skip
     """Run the soak (starts its own Ray cluster and moto S3 server); returns
-    each worker's samples and the checks (see the module docstring)."""
+    each worker's samples and the checks (see the module docstring, where
+    ``windows`` is 8: the RSS medians compared are those of the second and
+    the last ``steps / windows`` steps)."""
     import ray
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -110,16 +112,18 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
         checkpoints = CheckpointStore(direct, f"{BUCKET}/runs/soak").list_checkpoints()
         # torch creates its compile cache directory there on import: not a leftover.
         leftovers = [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")]
-    out = summarize(result.return_value, steps=steps, keep=keep, checkpoints=checkpoints,
-                    leftovers=leftovers, injected=dict(proxy.injected))  # fmt: skip
+    out = summarize(result.return_value, steps=steps, windows=windows, keep=keep,
+                    checkpoints=checkpoints, leftovers=leftovers,
+                    injected=dict(proxy.injected))  # fmt: skip
     settings = dict(steps=steps, every=every, keep=keep, throttle=throttle, workers=workers)
     return {**out, "fit_s": seconds, "settings": settings}
 
 
-def summarize(workers: list[dict], *, steps, keep, checkpoints, leftovers, injected) -> dict:
-    """Per worker: RSS medians of the second and last eighth of the steps,
-    descriptor and thread peaks, and whether each check holds."""
-    eighth = steps // 8
+def summarize(workers: list[dict], *, steps, windows, keep, checkpoints, leftovers,
+              injected) -> dict:  # fmt: skip
+    """Per worker: RSS medians of the second and last ``steps / windows``
+    steps, descriptor and thread peaks, and whether each check holds."""
+    eighth = steps // windows
     rows = []
     for rank, worker in enumerate(workers):
         samples = worker["samples"]
