@@ -13,10 +13,13 @@
    the backend would create (``cuda:nccl,cpu:gloo``): a few steps train with
    finite losses, shards stay on the host, buffers sit on the GPU.
 
-Without a CUDA GPU it prints why and exits 0, so it runs unchanged wherever
-it is started. ``--out`` writes the results as JSON. ``--cpu`` runs the same
-measurements on the CPU with gloo (the test suite's smoke run, with
-``--preset tiny``; no MFU without a known peak).
+``--sustained`` runs the sustained benchmark instead (200 steps of the
+training loop, eager and compiled, NVML and a profiler trace:
+:mod:`benchmarks.sustained`). Without a CUDA GPU it prints why and exits 0,
+so it runs unchanged wherever it is started. ``--out`` writes the results
+as JSON. ``--cpu`` runs the same measurements on the CPU with gloo (the
+test suite's smoke run, with ``--preset tiny``; no MFU without a known
+peak).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,6 +43,19 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
 
 def peak_tflops(device_name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
+
+
+def pick_device(cpu: bool, name: str) -> torch.device | None:
+    """The CPU with ``cpu``, else GPU 0 (made current); None, saying why,
+    when no CUDA GPU is visible."""
+    if cpu:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    print(f"{name}: skipped, no CUDA GPU is visible (torch.cuda.is_available() "
+          f"is False; torch {torch.__version__})")  # fmt: skip
+    return None
 
 
 def init_single_rank(device: torch.device) -> None:
@@ -256,6 +273,12 @@ def run(preset: dict, device: torch.device, *, batch: int, steps: int, reps: int
 def main(argv: list[str] | None = None) -> dict | None:
     from ray_fsdp_backend.trainer.model import PRESETS
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--sustained" in argv:  # its own options: see benchmarks/sustained.py
+        from benchmarks import sustained
+
+        return sustained.main([a for a in argv if a != "--sustained"])
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="1b")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step")
@@ -263,15 +286,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--reps", type=int, default=4, help="alternating blocks per candidate")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU with gloo (smoke run)")
+    parser.add_argument("--sustained", action="store_true", help="see benchmarks/sustained.py")
     args = parser.parse_args(argv)
-    if args.cpu:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-    else:
-        print("benchmarks.gpu: skipped, no CUDA GPU is visible (torch.cuda.is_available() "
-              f"is False; torch {torch.__version__})")  # fmt: skip
+    device = pick_device(args.cpu, "benchmarks.gpu")
+    if device is None:
         return None
     results = run(PRESETS[args.preset], device, batch=args.batch, steps=args.steps,
                   reps=args.reps)  # fmt: skip

@@ -106,3 +106,24 @@ def test_lora_trains_and_stores_less_than_full_fine_tuning(results):
         assert r8["state"]["grads"] < full["state"]["grads"] / 4
         assert r8["checkpoint_bytes"] < r64["checkpoint_bytes"] < full["checkpoint_bytes"]
         assert r8["state"]["params"] > full["state"]["params"]  # the base plus the adapters
+
+
+def test_sustained_benchmark_runs_the_training_loop_on_cpu(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--sustained", "--cpu", "--steps", "34",
+           "--out", str(tmp_path)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    data = json.loads((tmp_path / "sustained.json").read_text())
+    (eager,) = data["results"]
+    assert eager["mode"] == "eager" and not eager["compile"]  # compile: auto is off on CPU
+    assert eager["skipped_steps"] == 0
+    for window in eager["windows"].values():
+        assert window["tokens_per_s"] > 0 and window["non_logging_step_ms_median"] > 0
+    profiled = eager["profile"]["step"]
+    assert profiled % 10 and (tmp_path / eager["profile"]["trace"]).stat().st_size > 0
+    timed = {int(s) for s in eager["step_ms"]}
+    assert timed == set(range(2, 35)) - {profiled - 1, profiled, profiled + 1}
+    assert not eager["nvml"]["available"] and eager["nvml"]["reason"]
+    if not torch.cuda.is_available():
+        cmd = [sys.executable, "-m", "benchmarks.gpu", "--sustained"]
+        skipped = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        assert "skipped, no CUDA GPU" in skipped.stdout
