@@ -24,8 +24,9 @@ otherwise be clipped by a different norm on every rank.
 The coefficient follows ``torch.nn.utils.clip_grad_norm_`` exactly:
 ``min(1, max_norm / (norm + eps))`` as a tensor, applied to every gradient
 without a host synchronisation. A non-finite norm therefore gives a
-coefficient of 0 (or NaN), as in torch: the step must not be taken, and the
-caller checks ``torch.isfinite(norm)`` to skip it (the example loop does).
+coefficient of 0 (or NaN), as in torch: the step must not be taken;
+:func:`ray_fsdp_backend.step_guard.step_if_finite` skips it on the device
+(the example loop does).
 ``max_norm=None`` measures the norm and scales nothing.
 """
 

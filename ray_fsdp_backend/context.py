@@ -139,7 +139,9 @@ class TrainContext:
     ) -> torch.Tensor:
         """One global-norm clip over all gradients, on every mesh (``norm_type``
         as torch's: 2, 1, inf, any p; ``max_norm=None``: measure only);
-        returns the pre-clip norm. Skip the step when it is not finite."""
+        returns the pre-clip norm. Skip the step when it is not finite:
+        ``ray_fsdp_backend.step_guard.step_if_finite(optimizer, norm)`` does
+        without a host sync."""
         return self.strategy.clip_grad_norm(
             model, max_norm, norm_type=norm_type, optimizer=optimizer
         )
