@@ -252,7 +252,7 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.sequence_region(), ctx.loss_parallel():
-            logits = model(inputs, position_ids=batch["position_ids"])
+            logits = model(inputs, position_ids=model_positions(ctx, spec, batch))
             logits = getattr(logits, "logits", logits)  # a transformers model's output
             token_sum = F.cross_entropy(
                 logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
@@ -276,6 +276,16 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and not batch.is_pinned():
         batch = batch.pin_memory()
     return batch.to(device, non_blocking=True)
+
+
+def model_positions(ctx, spec: RunSpec, batch: dict) -> torch.Tensor | None:
+    """The ``position_ids`` the model needs: packed rows' (document masks)
+    and a cp shard's (its offsets); None for whole unpacked rows, whose
+    attention then takes the causal kernel without inspecting the positions
+    on the host (that check, per layer, would sync every step)."""
+    if spec.data.packing or ctx.cp_size > 1:
+        return batch["position_ids"]
+    return None
 
 
 def as_batch(batch, device: torch.device) -> dict[str, torch.Tensor]:
