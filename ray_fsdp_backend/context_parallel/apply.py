@@ -101,17 +101,17 @@ def apply_context_parallel(
     """
     attention_heads(model)  # refuses a model without a recognised attention
     backend = ContextParallelBackend(backend)
-    ulysses = UlyssesAttention(group)
-    kernel = ulysses if backend is ContextParallelBackend.ULYSSES else ring_causal_attention
-    own = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
-    for module in own:
-        module.attention_fn = kernel
     hf_models = _hf_models(model)
     if hf_models and backend is ContextParallelBackend.RING:
         raise ValueError(
             "context_parallel_backend='ring' is wired for the project's decoder only; "
             "use 'ulysses' for transformers models"
         )
+    ulysses = UlyssesAttention(group)
+    kernel = ulysses if backend is ContextParallelBackend.ULYSSES else ring_causal_attention
+    for module in model.modules():
+        if isinstance(module, ContextParallelAttention):
+            module.attention_fn = kernel
     if hf_models:
         from transformers import AttentionInterface
 
