@@ -276,6 +276,32 @@ def _lora(r: dict) -> list[str]:
     ]
 
 
+def _tensor_parallel(r: dict) -> list[str]:
+    m, t = r["model"], r["time"]
+    rows = []
+    for name, ms in (("tp 2 x dp 2", t["a_ms"]), ("dp 4 (full_shard)", t["b_ms"])):
+        mem = r["memory"]["tp2_dp2" if name.startswith("tp") else "dp4"]
+        state = mem["params"] + mem["grads"] + mem["optimizer"]
+        rows.append([name, f"{ms:.1f}", _mib(mem["params"]), _mib(state),
+                     _mib(mem["activations_estimate"])])  # fmt: skip
+    header = ["layout", "step ms", "params MiB / rank", "model state MiB / rank",
+              "activations MiB / rank (estimate)"]  # fmt: skip
+    return [
+        f"#### 11. Tensor parallel vs FSDP2 on {r['world_size']} ranks: dim {m['dim']}, "
+        f"{m['n_layers']} layers, seq {m['seq_len']}, global batch {r['global_batch']}, fp32",
+        "",
+        *_table(header, rows),
+        "",
+        f"tp 2 x dp 2 / dp 4 step time: {_ratio(t)}; same first loss: "
+        + ("yes" if r["same_loss"] else "NO"),
+        "",
+    ]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
 SECTIONS = {
     "step_time": lambda r: _step_time(r) + _memory(r),
     "clipping": _clipping,
@@ -286,6 +312,7 @@ SECTIONS = {
     "pretrained": _pretrained,
     "checkpoint_io": _checkpoint_io,
     "lora": _lora,
+    "tensor_parallel": _tensor_parallel,
 }
 
 

@@ -16,6 +16,8 @@ medians and the median ratio):
    restore, training stall per checkpoint sync vs async (``checkpoint_io``);
 10. LoRA r 8 and r 64 vs full fine-tuning: memory, step time and checkpoint
     bytes per rank (``lora``);
+11. tensor parallel tp 2 x dp 2 vs FSDP2 dp 4 on the same global batch:
+    step time and memory per rank (``tensor_parallel``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
@@ -50,6 +52,7 @@ from benchmarks import (
     scaling,
     startup,
     step_time,
+    tensor_parallel_bench,
 )
 from tests.dist.harness import run_ranks
 
@@ -63,6 +66,7 @@ COMPARISONS = (
     "pretrained",
     "checkpoint_io",
     "lora",
+    "tensor_parallel",
 )
 
 TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
@@ -82,6 +86,7 @@ SETTINGS = {
         "pretrained": dict(worlds=(1, 2, 4), dim=512, layers=8, vocab=32000, reps=2),
         "checkpoint_io": dict(worlds=(2, 4, 8), model=SMALL, reps=2, steps=10),
         "lora": dict(worlds=(2, 4), dim=512, layers=8, vocab=32000, steps=3, batch=2, seq=128),
+        "tensor_parallel": dict(world=4, model=SMALL, batch=8, reps=7, steps=3),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
@@ -93,6 +98,7 @@ SETTINGS = {
         "pretrained": dict(worlds=(1, 2), dim=64, layers=2, vocab=512, reps=1),
         "checkpoint_io": dict(worlds=(2,), model=TINY, reps=1, steps=2),
         "lora": dict(worlds=(2,), dim=64, layers=2, vocab=512, steps=1, batch=2, seq=16),
+        "tensor_parallel": dict(world=4, model=TINY, batch=4, reps=2, steps=1),
     },
 }
 
@@ -148,6 +154,10 @@ def run_lora(**kwargs) -> dict:
     return lora_bench.run(run_ranks, **kwargs)
 
 
+def run_tensor_parallel(world, **kwargs) -> dict:
+    return run_ranks(_on_rank, world, tensor_parallel_bench.on_rank, kwargs)
+
+
 RUNNERS = {
     "step_time": run_step_time,
     "clipping": run_clipping,
@@ -158,6 +168,7 @@ RUNNERS = {
     "pretrained": run_pretrained,
     "checkpoint_io": checkpoint_io.run,
     "lora": run_lora,
+    "tensor_parallel": run_tensor_parallel,
 }
 
 

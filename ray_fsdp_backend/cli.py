@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 from ray_fsdp_backend.elastic import describe_split, elastic_world_sizes, worker_range
 from ray_fsdp_backend.memory import (
-    ActivationShape,
     ModelSize,
     estimate_activations,
     estimate_memory,
@@ -326,14 +325,7 @@ def format_activations(spec: RunSpec, cp: int, tp: int) -> list[str]:
     model, cfg = spec.model, spec.distributed
     if not isinstance(model, ModelConfig):
         return []
-    shape = ActivationShape(
-        n_layers=model.n_layers,
-        dim=model.dim,
-        n_heads=model.n_heads,
-        vocab_size=model.vocab_size,
-        seq_len=model.seq_len,
-        micro_batch_size=spec.train.micro_batch_size,
-    )
+    shape = model.activation_shape(spec.train.micro_batch_size)
     value_bytes = 2 if cfg.use_mixed_precision else 4
     kwargs = dict(
         cp=cp,

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
+from ray_fsdp_backend.memory import ActivationShape
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,17 @@ class ModelConfig:
     def matrix_params(self) -> int:
         """Parameters in the blocks' 2-D weights: those Muon orthogonalises."""
         return self.n_layers * (self.block_params() - 2 * self.dim)
+
+    def activation_shape(self, micro_batch_size: int) -> ActivationShape:
+        """What the activation estimate needs of this model and a micro-batch."""
+        return ActivationShape(
+            n_layers=self.n_layers,
+            dim=self.dim,
+            n_heads=self.n_heads,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            micro_batch_size=micro_batch_size,
+        )
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (6N plus attention), for throughput figures."""

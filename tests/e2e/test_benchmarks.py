@@ -31,7 +31,7 @@ def test_every_comparison_is_reported(results):
     assert set(run.COMPARISONS) <= set(data)
     for heading in ("1. Step time", "2. Memory", "3. Clipping", "4. Start-up", "5. DMuon",
                     "6. Scaling", "7. `compile: true`", "8. Loading a pretrained",
-                    "9. Checkpoints", "10. LoRA"):  # fmt: skip
+                    "9. Checkpoints", "10. LoRA", "11. Tensor parallel"):  # fmt: skip
         assert f"#### {heading}" in md
     assert data["machine"]["torch"] == torch.__version__
 
@@ -127,3 +127,12 @@ def test_sustained_benchmark_runs_the_training_loop_on_cpu(tmp_path):
         cmd = [sys.executable, "-m", "benchmarks.gpu", "--sustained"]
         skipped = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         assert "skipped, no CUDA GPU" in skipped.stdout
+
+
+def test_tensor_parallel_and_fsdp_train_the_same_global_batch(results):
+    data, _ = results
+    tp = data["tensor_parallel"]
+    assert tp["same_loss"]
+    # tp 2 x dp_shard 2 and dp_shard 4 both hold a quarter of the model per rank.
+    params = {name: mem["params"] for name, mem in tp["memory"].items()}
+    assert params["tp2_dp2"] == pytest.approx(params["dp4"], rel=0.05)

@@ -1,0 +1,101 @@
+"""Comparison 11: tensor parallel tp 2 x dp 2 vs FSDP2 dp 4, same global batch.
+
+**A (tp2 x dp2)**: ``FSDPConfig(tensor_parallel_size=2)`` on 4 ranks, mesh
+``(dp_shard=2, tp=2)``, sequence parallel on: each dp shard reads half the
+global batch, the two ranks of a tp group the same half. **B (dp4)**:
+``full_shard`` on 4 ranks, each reading a quarter. Same decoder, weights and
+global batch; the first step's global losses are compared (``same_loss``,
+fp32). Step time alternates A and B; memory is the model state one rank
+holds (parameters, gradients, AdamW moments, max over ranks) and the
+activation estimate of ``ray-fsdp plan`` for one micro-batch.
+
+On CPU with gloo, TP adds per-layer collectives (all-gather and
+reduce-scatter of the activations) that FSDP does not have, and halves the
+matmul work per rank only where the batch is not already split: expect TP to
+be slower here. It pays where a model's layers or activations do not fit one
+device, inside a node's fast links.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import _measure, _workload
+from ray_fsdp_backend import FSDPConfig, build_strategy
+from ray_fsdp_backend.memory import estimate_activations
+from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.topology import topology_from_node_counts
+from ray_fsdp_backend.trainer.model import ModelConfig
+
+CPU = torch.device("cpu")
+LAYOUTS = {"tp2_dp2": 2, "dp4": 1}  # name: tensor_parallel_size
+
+
+def _global_batch(model: dict, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = ModelConfig(**model)
+    g = torch.Generator().manual_seed(7)
+    seq = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _setup(rank: int, world: int, tp: int, model: dict, batch: int):
+    cfg = FSDPConfig(use_fsdp=True, use_mixed_precision=False, tensor_parallel_size=tp)
+    layout = resolve_layout(cfg, topology_from_node_counts([world]))
+    mesh = build_device_mesh(layout, "cpu")
+    strategy = build_strategy(cfg, device=CPU, local_rank=rank, mesh=mesh)
+    wrapped = strategy.wrap(_workload.build_model(model))
+    dp_rank, dp_size = layout.data_parallel_coordinates(rank)
+    x, y = _global_batch(model, batch)
+    rows = slice(dp_rank * batch // dp_size, (dp_rank + 1) * batch // dp_size)
+    return strategy, wrapped, _workload.make_optimizer(wrapped), [(x[rows], y[rows])], cfg
+
+
+def _step(strategy, model, opt, batches) -> float:
+    opt.zero_grad()
+    for x, y in batches:
+        with strategy.loss_parallel():
+            loss = _workload.loss_fn(model, x, y)
+            loss.backward()
+    strategy.clip_grad_norm(model, _workload.MAX_NORM, optimizer=opt)
+    opt.step()
+    return float(loss.detach())
+
+
+def _global_loss(local: float, world: int) -> float:
+    t = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(t)  # a tp group's ranks hold their dp shard's loss alike
+    return float(t) / world
+
+
+def _activation_bytes(model: dict, rows: int, cfg: FSDPConfig) -> int:
+    return estimate_activations(
+        ModelConfig(**model).activation_shape(rows),
+        tp=cfg.tensor_parallel_size,
+        sequence_parallel=cfg.sequence_parallel_enabled,
+        loss_parallel=cfg.loss_parallel,
+    )
+
+
+def on_rank(rank: int, world: int, *, model: dict, batch: int, reps: int, steps: int) -> dict:
+    runs, first, memory = {}, {}, {}
+    for name, tp in LAYOUTS.items():
+        strategy, wrapped, opt, batches, cfg = _setup(rank, world, tp, model, batch)
+        first[name] = _global_loss(_step(strategy, wrapped, opt, batches), world)
+        memory[name] = {
+            **_measure.state_bytes(wrapped, opt),
+            "activations_estimate": _activation_bytes(model, len(batches[0][0]), cfg),
+        }
+        runs[name] = (strategy, wrapped, opt, batches)
+    times = _measure.alternate(
+        {name: (lambda r=r: _step(*r)) for name, r in runs.items()}, reps=reps, steps=steps
+    )
+    same = abs(first["tp2_dp2"] - first["dp4"]) <= 1e-5 * abs(first["dp4"])
+    return {
+        "world_size": world,
+        "model": model,
+        "global_batch": batch,
+        "time": _measure.compare(times["tp2_dp2"], times["dp4"]),
+        "memory": memory,
+        "same_loss": same,
+    }
