@@ -43,10 +43,23 @@ def causal_attention(
     each token's document when ``position_ids`` (``[batch or 1, seq]``) mark
     packed rows (``documents=False``: plain causal, for torch's ring, which
     takes no mask). Grouped-query ``k``/``v`` (fewer heads) are allowed."""
-    gqa = k.shape[1] != q.shape[1]
     mask = None
     if position_ids is not None and documents:
         mask = document_causal_mask(position_ids.expand(q.shape[0], -1))
+    return masked_attention(q, k, v, mask, scale=scale)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA with a boolean ``mask`` from :func:`document_causal_mask`, or
+    plain causal when it is None."""
+    gqa = k.shape[1] != q.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ray_fsdp_backend.context_parallel.attention import causal_attention
+from ray_fsdp_backend.context_parallel.attention import document_causal_mask, masked_attention
 
 
 def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -89,19 +89,23 @@ class UlyssesAttention:
     rank's ``[batch or 1, seq/cp]`` positions (contiguous split,
     :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`).
 
-    One instance serves every layer of a model: it keeps the full-sequence
-    ``position_ids`` of the forward in flight (every layer passes the same
-    local tensor), so their gather runs once per forward.
+    One instance serves every layer of a model: it keeps the document mask
+    of the forward in flight (every layer passes the same local
+    ``position_ids`` tensor), so the gather of the whole row's positions and
+    the mask (with its one host check: packed or not) run once per forward,
+    not once per layer.
     """
 
     def __init__(self, group) -> None:
         self.group = group
-        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (local, full)
+        self._mask: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (local ids, mask)
 
-    def full_position_ids(self, local: torch.Tensor) -> torch.Tensor:
-        if self._positions is None or self._positions[0] is not local:
-            self._positions = (local, gather_sequence(local, self.group))
-        return self._positions[1]
+    def document_mask(self, local: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """The whole rows' causal document mask (None: one document per row)."""
+        if self._mask is None or self._mask[0] is not local:
+            full = gather_sequence(local, self.group).expand(rows, -1)
+            self._mask = (local, document_causal_mask(full))
+        return self._mask[1]
 
     def __call__(
         self,
@@ -117,6 +121,6 @@ class UlyssesAttention:
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         q, k, v = (sequence_to_heads(t, self.group) for t in (q, k, v))
-        positions = None if position_ids is None else self.full_position_ids(position_ids)
-        out = causal_attention(q, k, v, position_ids=positions, scale=scale)
+        mask = None if position_ids is None else self.document_mask(position_ids, q.shape[0])
+        out = masked_attention(q, k, v, mask, scale=scale)
         return heads_to_sequence(out, self.group)
