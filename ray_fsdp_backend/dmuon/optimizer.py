@@ -203,9 +203,9 @@ class Muon(torch.optim.Optimizer):
             if keep.found_inf is None:
                 local.mul_(1 - lr * group["weight_decay"])
                 local.add_(update, alpha=-adjusted_lr)
-            else:  # both factors are 0 where the step is skipped
-                local.mul_(1 - keep.on(local.device) * (lr * group["weight_decay"]))
-                local.addcmul_(update, keep.on(local.device), value=-adjusted_lr)
+            else:  # the same factors, or 1 and 0 where the step is skipped
+                local.mul_(keep.pick(1 - lr * group["weight_decay"], 1.0, local.device))
+                local.addcmul_(update, keep.pick(-adjusted_lr, 0.0, local.device))
         self.last_step_stats = DMuonStepStats(
             orthogonalized=tuple(self.plan.matrices[i].name for i in owned),
             ns_calls=ns_calls,
@@ -265,8 +265,8 @@ class Muon(torch.optim.Optimizer):
         if keep.found_inf is None:
             buf.lerp_(grad, 1 - group["momentum"])
         else:
-            grad.masked_fill_(keep.skip_on(grad.device), 0.0)  # inf and NaN out
-            buf.lerp_(grad, keep.on(buf.device, buf.dtype) * (1 - group["momentum"]))
+            grad.masked_fill_(keep.skipped(grad.device), 0.0)  # inf and NaN out
+            buf.lerp_(grad, keep.pick(1 - group["momentum"], 0.0, buf.device, buf.dtype))
         # In place, as torch.optim.Muon does: no fp32 temporary per matrix.
         out.copy_(grad.lerp_(buf, group["momentum"]) if group["nesterov"] else buf)
 
@@ -341,25 +341,26 @@ class Muon(torch.optim.Optimizer):
 
 
 class _Keep:
-    """``1 - found_inf`` (1: take the step, 0: skip it) and the skip mask,
-    per device and dtype, each made once per step (on the device: no sync).
-    ``found_inf`` None: no skipping, the plain update."""
+    """Step factors that ``found_inf`` turns off on the device (no sync):
+    :meth:`pick` is the factor where the step is taken and its neutral value
+    where it is skipped, as a 0-d tensor, so a taken step multiplies by the
+    same number the plain update uses (bit for bit). ``found_inf`` None: no
+    skipping, the plain update."""
 
     def __init__(self, found_inf: torch.Tensor | None) -> None:
         self.found_inf = found_inf
-        self._cache: dict[tuple, torch.Tensor] = {}
+        self._masks: dict[torch.device, torch.Tensor] = {}
 
-    def on(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        key = ("keep", device, dtype)
-        if key not in self._cache:
-            self._cache[key] = (1 - self.found_inf).to(device=device, dtype=dtype)
-        return self._cache[key]
+    def skipped(self, device: torch.device) -> torch.Tensor:
+        if device not in self._masks:
+            self._masks[device] = (self.found_inf != 0).to(device)
+        return self._masks[device]
 
-    def skip_on(self, device: torch.device) -> torch.Tensor:
-        key = ("skip", device)
-        if key not in self._cache:
-            self._cache[key] = (self.found_inf != 0).to(device)
-        return self._cache[key]
+    def pick(
+        self, taken: float, skipped: float, device: torch.device, dtype=torch.float32
+    ) -> torch.Tensor:
+        value = torch.where(self.skipped(device), skipped, taken)
+        return value.to(dtype)
 
 
 def _param_groups(model, dedicated, muon_hyper: dict, adamw) -> list[dict]:

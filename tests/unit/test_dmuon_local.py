@@ -170,3 +170,38 @@ def test_newton_schulz_runs_on_the_accelerator_under_cpu_offload():
     assert resolve_ns_device(torch.device("cpu"), "cuda") == torch.device("cuda")
     assert resolve_ns_device(torch.device("cuda", 3), "cuda") == torch.device("cuda", 3)
     assert resolve_ns_device(torch.device("cpu"), "cpu") == torch.device("cpu")
+
+
+def _state_snapshot(model, opt) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for state in opt.state.values():
+        tensors += [v.detach().clone() for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
+def test_found_inf_skips_the_whole_step_and_zero_changes_nothing():
+    from ray_fsdp_backend.step_guard import step_if_finite, supports_found_inf
+
+    model, hyper = reference_model(), dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-3)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = dmuon.Muon(model, **hyper), dmuon.Muon(twin, **hyper)
+    assert supports_found_inf(opt)
+    step_both(model, twin, [opt, twin_opt], steps=2)  # momentum and moments are non-zero
+    before = _state_snapshot(model, opt)
+    x, y = make_batch(seed=7)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    for p in model.parameters():
+        p.grad.mul_(float("inf"))  # inf and NaN gradients, as after a bad step
+    found_inf = step_if_finite(opt, clip_grad_norm_(model.parameters(), 1.0).total_norm)
+    assert found_inf == 1
+    after = _state_snapshot(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # found_inf 0: bit for bit the plain step.
+    opt.zero_grad()
+    for m in (model, twin):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    opt.found_inf, opt.grad_scale = torch.zeros(()), None
+    opt.step()
+    twin_opt.step()
+    got, want = _state_snapshot(model, opt), _state_snapshot(twin, twin_opt)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
