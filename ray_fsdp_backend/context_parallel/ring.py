@@ -25,19 +25,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
-import torch
-
 from ray_fsdp_backend.context_parallel.attention import causal_attention
-
-
-def ring_available() -> bool:
-    """Whether torch's ring attention can run here (CUDA and the experimental API)."""
-    try:
-        from torch.distributed.tensor.experimental import _attention  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
 
 ring_causal_attention = functools.partial(causal_attention, documents=False)
 """Plain causal SDPA on load-balanced shards: inside :func:`ring_region`

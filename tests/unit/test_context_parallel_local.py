@@ -218,3 +218,13 @@ def test_activation_estimate_falls_as_one_over_cp():
     # 2-byte values, no scores: s b h 34 per layer plus the logits
     flash = estimate_activations(shape, value_bytes=2, attention_scores=False)
     assert flash == 4 * 8192 * 256 * 34 + 8192 * 256 * 6
+
+
+def test_torch_still_has_what_ring_region_calls():
+    # ring_region uses torch's private dispatcher switch (CUDA only, not run here):
+    # fail loudly when an upgrade renames it rather than at a GPU user's first step.
+    from torch.distributed.tensor.experimental import _attention as cp_impl
+
+    assert callable(cp_impl._enable_context_parallel_dispatcher_impl)
+    assert callable(cp_impl._disable_context_parallel_dispatcher_impl)
+    assert isinstance(cp_impl._cp_options.enable_load_balance, bool)
