@@ -15,7 +15,8 @@ the causal ring gives every rank the same work. torch's public
 ``context_parallel(mesh, buffers=...)`` shards buffers itself and needs at
 least one; ``ctx.shard_sequence`` has already sharded the batch, so only the
 SDPA dispatch is switched on here, through the private pair it calls
-(``_enable_context_parallel_dispatcher_impl``, torch 2.11-2.13). This is the
+(``_context_parallel._attention._enable_context_parallel_dispatcher_impl``,
+torch 2.13). This is the
 one place that touches them.
 """
 
@@ -37,7 +38,7 @@ refused with ring)."""
 def ring_region(cp_mesh) -> Iterator[None]:
     """Forward *and* backward of a micro-batch run inside this region: SDPA
     calls become load-balanced ring attention over ``cp_mesh`` (1-D)."""
-    from torch.distributed.tensor.experimental import _attention as cp_impl
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_impl
 
     old = cp_impl._cp_options.enable_load_balance
     cp_impl._cp_options.enable_load_balance = True

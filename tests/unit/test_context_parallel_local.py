@@ -223,7 +223,7 @@ def test_activation_estimate_falls_as_one_over_cp():
 def test_torch_still_has_what_ring_region_calls():
     # ring_region uses torch's private dispatcher switch (CUDA only, not run here):
     # fail loudly when an upgrade renames it rather than at a GPU user's first step.
-    from torch.distributed.tensor.experimental import _attention as cp_impl
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_impl
 
     assert callable(cp_impl._enable_context_parallel_dispatcher_impl)
     assert callable(cp_impl._disable_context_parallel_dispatcher_impl)
