@@ -4,7 +4,8 @@ One spawn: the example decoder trained at tp 2 x dp 2 is saved, loaded at
 tp 1 x dp 4 (exactly the saved parameters and AdamW moments), trained a step
 there (equal to the tp 2 run's next step), saved, loaded at tp 4 x dp 1,
 saved, and loaded back at HSDP 2 x (1 x 2). DCP reshards the 2-D
-``(_StridedShard, Shard)`` parameters each time.
+``(_StridedShard, Shard)`` parameters each time. ``export_model`` from the
+tp 2 x dp 2 model writes the full tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ray_fsdp_backend import FSDPConfig, build_strategy
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
+from ray_fsdp_backend.hf import export_model
 from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
 from ray_fsdp_backend.topology import topology_from_node_counts
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
@@ -83,6 +85,7 @@ def _reshard_chain(rank, world, root):
         _step(model, opt, dp, step)
     save_sharded(store, model, opt, extra_state={"step": 2})
     saved = {"tp2_dp2": _full_state(model, opt)}
+    export_model(model, os.path.join(root, "export.safetensors"))
     _step(model, opt, dp, 2)
     after = _full_state(model, opt)
     loaded, stepped = {}, None
@@ -103,12 +106,13 @@ def _reshard_chain(rank, world, root):
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    return run_ranks(_reshard_chain, WORLD, str(tmp_path_factory.mktemp("tpckpt")))
+    root = str(tmp_path_factory.mktemp("tpckpt"))
+    return (*run_ranks(_reshard_chain, WORLD, root), root)
 
 
 @pytest.mark.parametrize("name", ["tp1_dp4", "tp4_dp1", "hsdp_2x(1x2)"])
 def test_every_layout_loads_exactly_what_tp2_dp2_saved(chain, name):
-    saved, loaded, _, _ = chain
+    saved, loaded, _, _, _ = chain
     assert loaded[name].keys() == saved.keys()
     assert any(k.endswith("exp_avg_sq") for k in saved)
     for key, value in saved.items():
@@ -116,6 +120,17 @@ def test_every_layout_loads_exactly_what_tp2_dp2_saved(chain, name):
 
 
 def test_training_continues_identically_after_resharding(chain):
-    _, _, after, stepped = chain
+    _, _, after, stepped, _ = chain
     for key, value in after.items():
         torch.testing.assert_close(stepped[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_export_writes_full_tensors_from_tp_shards(chain):
+    from safetensors.torch import load_file
+
+    saved, _, _, _, root = chain
+    exported = load_file(os.path.join(root, "export.safetensors"))
+    params = {k.removeprefix("param/"): v for k, v in saved.items() if k.startswith("param/")}
+    assert exported.keys() >= params.keys() - {"output.weight"}  # the tied head once or twice
+    for key, value in exported.items():
+        torch.testing.assert_close(value, params[key], atol=0, rtol=0, msg=key)
