@@ -72,7 +72,7 @@ def setup_worker(
     )
     os.environ.update({k: str(v) for k, v in config.nccl_env.items()})
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    set_default_budget(config.storage_retry_s)
+    set_default_budget(config.storage_retry_budget_s)
     device = _select_device()
     dist.init_process_group(
         backend=pg_backend,

@@ -79,13 +79,14 @@ class FSDPSettings:
     that hangs makes the run fail (and restart under ``FailureConfig``) after
     this long instead of hanging forever."""
 
-    storage_retry_s: float = 120.0
+    storage_retry_s: float | None = None
     """Seconds one storage operation of the backend (a checkpoint file's
     upload, a ranged read, the listing, a delete, a pretrained file's read)
     may spend retrying transient object-store failures (throttling, 5xx,
-    dropped connections) before the run fails; 0: no retries. Must be below
-    ``timeout_s``: the other ranks wait for a retrying one in a collective.
-    See docs/checkpoints.md."""
+    dropped connections) before the run fails; 0: no retries. None: 120 s, or
+    half of ``timeout_s`` when that is shorter. Must be below ``timeout_s``:
+    the other ranks wait for a retrying one in a collective. See
+    docs/checkpoints.md."""
 
     use_fsdp: bool = False
     """Shard the model with FSDP2 (True) or replicate it with DDP (False)."""
@@ -306,6 +307,13 @@ class FSDPSettings:
             raise ValueError(f"{os.fspath(path)}: no 'distributed:' section")
         return cls.from_dict(doc["distributed"] or {})
 
+    @property
+    def storage_retry_budget_s(self) -> float:
+        """``storage_retry_s`` with its default resolved against ``timeout_s``."""
+        if self.storage_retry_s is not None:
+            return float(self.storage_retry_s)
+        return min(120.0, self.timeout_s / 2)
+
     def to_dict(self) -> dict[str, Any]:
         """Every field, as ``from_dict`` accepts it back."""
         out = dataclasses.asdict(self)
@@ -319,7 +327,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "backend": (str, type(None)),
     "init_method": (str,),
     "timeout_s": (int,),
-    "storage_retry_s": (int, float),
+    "storage_retry_s": (int, float, type(None)),
     "use_fsdp": (bool,),
     "fsdp_sharding_strategy": (str,),
     "fsdp_hsdp_replicate_size": (int, type(None)),
@@ -398,7 +406,7 @@ def _check_values(cfg: FSDPSettings) -> None:
         _check_one_of("compile", cfg.compile, ("auto", True, False))
     if cfg.timeout_s <= 0:
         raise ValueError(f"timeout_s={cfg.timeout_s!r} must be a positive number of seconds")
-    if not 0 <= cfg.storage_retry_s < cfg.timeout_s:
+    if cfg.storage_retry_s is not None and not 0 <= cfg.storage_retry_s < cfg.timeout_s:
         raise ValueError(
             f"storage_retry_s={cfg.storage_retry_s!r} must be at least 0 and below "
             f"timeout_s={cfg.timeout_s!r}: the other ranks wait for a retrying one in a "

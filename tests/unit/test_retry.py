@@ -126,7 +126,11 @@ def test_permanent_errors_fail_at_once_and_zero_budget_never_retries():
 
 
 def test_storage_retry_s_validated_by_key():
-    assert FSDPSettings().storage_retry_s >= 60
+    assert FSDPSettings().storage_retry_budget_s == 120
+    # A short collective timeout brings the default budget under it, so lowering
+    # timeout_s alone never makes a config invalid.
+    assert FSDPSettings(timeout_s=10).storage_retry_budget_s == 5
+    assert FSDPSettings(timeout_s=10, storage_retry_s=3).storage_retry_budget_s == 3
     with pytest.raises(ValueError, match="storage_retry_s=1800 must be .* below timeout_s=1800"):
         FSDPSettings(storage_retry_s=1800)
     with pytest.raises(ValueError, match="storage_retry_s=-1"):
