@@ -276,6 +276,34 @@ def _lora(r: dict) -> list[str]:
     ]
 
 
+def _hf_s3(r: dict) -> list[str]:
+    rows = []
+    for row in r["rows"]:
+        after, before = row["after"], row.get("before")
+        per_rank = ", ".join(_mib(b) for b in after["export_bytes_per_rank"])
+        rows.append([
+            row["world_size"],
+            f"{before['load_s']:.2f}" if before else "-",
+            f"{after['load_s']:.2f}",
+            f"{before['load_s'] / after['load_s']:.1f}x" if before else "-",
+            f"{before['requests']} / {_mib(before['store_bytes_down'])}" if before else "-",
+            f"{after['requests']} / {_mib(after['store_bytes_down'])}",
+            f"{_mib(after['max_rank_read'])}",
+            f"{after['export_s']:.2f}",
+            per_rank,
+        ])  # fmt: skip
+    header = ["ranks", "load s before", "load s after", "speed-up",
+              "requests / MiB from store before", "requests / MiB after",
+              "MiB read by one rank (max)", "export to S3 s", "MiB uploaded per rank"]  # fmt: skip
+    return [
+        f"#### 12. A Hugging Face checkpoint on S3 (moto) with {r['latency_s'] * 1000:.0f} ms "
+        f"per request: {_mib(r['checkpoint_bytes'])} MiB bf16, {r['tensors']} tensors in "
+        f"{r['files']} files, FSDP2 full_shard; before = commit {r['baseline']}",
+        "",
+        *_table(header, rows),
+    ]
+
+
 def _tensor_parallel(r: dict) -> list[str]:
     m, t = r["model"], r["time"]
     rows = []
@@ -313,6 +341,7 @@ SECTIONS = {
     "checkpoint_io": _checkpoint_io,
     "lora": _lora,
     "tensor_parallel": _tensor_parallel,
+    "hf_s3": _hf_s3,
 }
 
 

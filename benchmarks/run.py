@@ -18,6 +18,9 @@ medians and the median ratio):
     bytes per rank (``lora``);
 11. tensor parallel tp 2 x dp 2 vs FSDP2 dp 4 on the same global batch:
     step time and memory per rank (``tensor_parallel``);
+12. a Hugging Face checkpoint on S3 with 30 ms per request: load time and
+    bytes before and after concurrent ranged reads, export time and bytes
+    per rank (``hf_s3``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
@@ -46,6 +49,7 @@ from benchmarks import (
     clipping,
     compile_bench,
     dmuon_bench,
+    hf_s3,
     lora_bench,
     pretrained,
     report,
@@ -67,6 +71,7 @@ COMPARISONS = (
     "checkpoint_io",
     "lora",
     "tensor_parallel",
+    "hf_s3",
 )
 
 TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
@@ -87,6 +92,9 @@ SETTINGS = {
         "checkpoint_io": dict(worlds=(2, 4, 8), model=SMALL, reps=2, steps=10),
         "lora": dict(worlds=(2, 4), dim=512, layers=8, vocab=32000, steps=3, batch=2, seq=128),
         "tensor_parallel": dict(world=4, model=SMALL, batch=8, reps=7, steps=3),
+        "hf_s3": dict(
+            worlds=(2, 4), dim=128, layers=16, vocab=2000, latency_s=0.03, baseline="25cc52e"
+        ),
     },
     "quick": {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
@@ -99,6 +107,7 @@ SETTINGS = {
         "checkpoint_io": dict(worlds=(2,), model=TINY, reps=1, steps=2),
         "lora": dict(worlds=(2,), dim=64, layers=2, vocab=512, steps=1, batch=2, seq=16),
         "tensor_parallel": dict(world=4, model=TINY, batch=4, reps=2, steps=1),
+        "hf_s3": dict(worlds=(2,), dim=64, layers=2, vocab=512, latency_s=0.03, baseline=None),
     },
 }
 
@@ -169,6 +178,7 @@ RUNNERS = {
     "checkpoint_io": checkpoint_io.run,
     "lora": run_lora,
     "tensor_parallel": run_tensor_parallel,
+    "hf_s3": hf_s3.run,
 }
 
 

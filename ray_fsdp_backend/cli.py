@@ -262,15 +262,22 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
 
 def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
     """DMuon's owners and Newton–Schulz critical path for the trainer's model
-    (built on meta), as the trainer plans them."""
+    (built on meta; a pretrained one from its ``config.json`` alone), as the
+    trainer plans them."""
     import torch
 
     from ray_fsdp_backend.dmuon.plan import format_ns_schedule
     from ray_fsdp_backend.dmuon.selection import dedicated_specs
-    from ray_fsdp_backend.trainer.model import Transformer
 
-    with torch.device("meta"):
-        model = Transformer(spec.model)
+    if isinstance(spec.model, ModelConfig):
+        from ray_fsdp_backend.trainer.model import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(spec.model)
+    else:
+        from ray_fsdp_backend.hf.models import build_causal_lm
+
+        model = build_causal_lm(spec.model.pretrained)
     return format_ns_schedule(dedicated_specs(model), shard_size)
 
 

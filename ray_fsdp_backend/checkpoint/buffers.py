@@ -4,8 +4,10 @@ DCP treats a plain (non-DTensor) tensor as replicated and stores one copy, so
 buffers that differ between ranks (running statistics under DDP with
 ``broadcast_buffers: false``, or under FSDP, which never syncs buffers) would
 all come back as one rank's values. Each rank therefore also keeps its own
-persistent plain buffers in its extra-state file; a restore at the same
-world size puts them back, a resharded restore keeps what DCP loaded.
+persistent plain buffers in its extra-state file. On restore every rank
+that saved such a file gets its own buffers back (all ranks at the same
+world size; after a reshard, the ranks that existed before); a rank that
+did not (a new rank after growing) keeps what DCP loaded.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import bisect
 import json
 import math
 import posixpath
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -253,30 +254,43 @@ class SafetensorsReader(HuggingFaceStorageReader):
                 waiting.setdefault(s, []).append(i)
         left = [len(mine) for mine in uses]  # spans an item still waits for
         holders = {s: len(items) for s, items in waiting.items()}  # items not yet committed
-        with ThreadPoolExecutor(max(1, min(READ_CONCURRENCY, len(spans.all)))) as pool:
-            futures = {pool.submit(self._fetch, *span): s for s, span in enumerate(spans.all)}
-            for future in as_completed(futures):
-                s = futures[future]
-                spans.data[s] = memoryview(future.result())
-                self.bytes_read += len(spans.data[s])
-                for i in waiting[s]:
-                    left[i] -= 1
-                    if left[i]:
-                        continue
-                    self._commit(plan.items[i], needs[i], spans, planner)
-                    for used in uses[i]:  # drop bytes no other slice needs
-                        holders[used] -= 1
-                        if not holders[used]:
-                            del spans.data[used]
+        opened: list = []  # every handle, to close
+        local = threading.local()  # a pool thread's handles
+        try:
+            with ThreadPoolExecutor(max(1, min(READ_CONCURRENCY, len(spans.all)))) as pool:
+                futures = {
+                    pool.submit(self._fetch, local, opened, *span): s
+                    for s, span in enumerate(spans.all)
+                }
+                for future in as_completed(futures):
+                    s = futures[future]
+                    spans.data[s] = memoryview(future.result())
+                    self.bytes_read += len(spans.data[s])
+                    for i in waiting[s]:
+                        left[i] -= 1
+                        if left[i]:
+                            continue
+                        self._commit(plan.items[i], needs[i], spans, planner)
+                        for used in uses[i]:  # drop bytes no other slice needs
+                            holders[used] -= 1
+                            if not holders[used]:
+                                del spans.data[used]
+        finally:
+            for f in opened:
+                f.close()
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _fetch(self, file: str, begin: int, end: int) -> bytes:
-        # A handle per span: handles of Python filesystems (the retrying
-        # wrapper) serialise read_at behind one lock (pyarrow's PythonFile).
-        with self.arrow_fs.open_input_file(file) as f:
-            return f.read_at(end - begin, begin)
+    def _fetch(self, local, opened: list, file: str, begin: int, end: int) -> bytes:
+        # One handle per file and pool thread: handles of Python filesystems
+        # (the retrying wrapper) serialise read_at behind one lock (pyarrow's
+        # PythonFile), and opening costs a request (S3: HEAD).
+        handles = local.__dict__.setdefault("handles", {})
+        if file not in handles:
+            handles[file] = self.arrow_fs.open_input_file(file)
+            opened.append(handles[file])
+        return handles[file].read_at(end - begin, begin)
 
     def _rows_of(self, item: ReadItem) -> list[_Rows]:
         """The checkpoint rows ``item`` covers (dim 0; per expert for fused

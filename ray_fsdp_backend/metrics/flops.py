@@ -20,7 +20,8 @@ from collections.abc import Mapping
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # Dense (no sparsity) peak per device, TFLOP/s, from the vendors' data sheets.
-    # Matched in order against the device name: the more specific names first.
+    # Matched against the device name: the longest name it contains wins
+    # ("NVIDIA L40" is an L40, not an L4).
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
     "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
     "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
@@ -28,6 +29,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "B200": {"bf16": 2250.0, "fp16": 2250.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "fp32": 90.5},
     "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
     "V100": {"fp16": 125.0, "fp32": 15.7},
     "MI300X": {"bf16": 1307.0, "fp16": 1307.0, "fp32": 163.4},
@@ -64,11 +66,11 @@ def resolve_peak_flops(
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if override_tflops is not None:
         return override_tflops * 1e12
-    for name, peaks in PEAK_TFLOPS.items():
-        if name.lower() in device_name.lower():
-            tflops = peaks.get(dtype)
-            return None if tflops is None else tflops * 1e12
-    return None
+    known = [name for name in PEAK_TFLOPS if name.lower() in device_name.lower()]
+    if not known:
+        return None
+    tflops = PEAK_TFLOPS[max(known, key=len)].get(dtype)
+    return None if tflops is None else tflops * 1e12
 
 
 def compute_dtype(use_mixed_precision: bool, bf16: bool) -> str:
@@ -122,5 +124,12 @@ def format_progress(m: Mapping[str, float], total_steps: int) -> str:
     parts.append(f"{m['step_time_s'] * 1000:,.0f} ms/step")
     if "memory_peak_reserved_gib" in m:
         parts.append(f"mem {m['memory_peak_reserved_gib']:.2f} GiB")
-    parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(m['eta_s']))}")
+    parts.append(f"ETA {format_eta(m['eta_s'])}")
     return " | ".join(parts)
+
+
+def format_eta(seconds: float) -> str:
+    """``HH:MM:SS``, with days in front past 24 hours (``1d 03:46:40``)."""
+    days, rest = divmod(int(seconds), 86400)
+    clock = time.strftime("%H:%M:%S", time.gmtime(rest))
+    return f"{days}d {clock}" if days else clock

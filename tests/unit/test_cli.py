@@ -248,3 +248,16 @@ def test_format_ranks():
     assert format_ranks([0, 1, 2, 3]) == "[0-3]"
     assert format_ranks([0, 8, 16]) == "[0, 8, 16]"
     assert format_ranks([5]) == "[5]"
+
+
+def test_plan_pretrained_with_dmuon(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+
+    path = save_tiny_pretrained("llama", tmp_path / "tiny")
+    config = str(EXAMPLES / "finetune_hf.yaml")
+    sets = [f"model.pretrained={path}", "distributed.use_dmuon=true", "train.optimizer=muon"]
+    args = [a for s in sets for a in ("--set", s)]
+    code, out, err = run(capsys, "plan", config, "--nodes", "1", "--gpus-per-node", "2", *args)
+    assert code == 0, err
+    assert "Newton–Schulz on 14 matrices" in out  # 2 blocks x 7 matrices of the tiny Llama

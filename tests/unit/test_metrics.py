@@ -197,3 +197,13 @@ def test_cli_verbose_flag_and_tensorboard_dir(tmp_path, monkeypatch):
     uri = {"logging": {"tensorboard": "s3://bucket/tb"}}
     assert cli.absolute_tensorboard_dir(uri) == uri
     assert cli.absolute_tensorboard_dir({}) == {}
+
+
+def test_l40_is_not_an_l4_and_eta_counts_days():
+    from ray_fsdp_backend.metrics.flops import format_eta, resolve_peak_flops
+
+    assert resolve_peak_flops("NVIDIA L40", "bf16") == 181.0e12
+    assert resolve_peak_flops("NVIDIA L4", "bf16") == 121.0e12
+    assert resolve_peak_flops("NVIDIA L40S", "bf16") == 362.0e12
+    assert format_eta(100000) == "1d 03:46:40"
+    assert format_eta(59) == "00:00:59"
