@@ -10,6 +10,7 @@ replicates over the first. Everything the config says is resolved into one
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -149,9 +150,11 @@ class FSDPStrategy(DistributionStrategy):
     """FSDP2 over the data-parallel axes of the mesh the backend built
     (1-D: FSDP, 2-D: HSDP); model-parallel axes (tp) are left to the plan."""
 
-    @property
+    @functools.cached_property
     def dp_mesh(self) -> DeviceMesh:
-        """The sub-mesh ``fully_shard`` shards and replicates over."""
+        """The sub-mesh ``fully_shard`` shards and replicates over (made once:
+        slicing a mesh reads its rank grid element by element, and
+        ``no_sync`` asks for it every micro-batch)."""
         return data_parallel_mesh(self.mesh)
 
     @property

@@ -190,9 +190,10 @@ def log_step(ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult) -
     skipped = int(metrics["skipped_steps"])
     if skipped > run.skipped_logged and ctx.world_rank == 0:
         _logger.warning(
-            "%d step(s) skipped since the last report: gradient norm not finite (now %s)",
+            "%d step(s) up to step %d skipped: gradient norm inf or NaN (%d in the run)",
             skipped - run.skipped_logged,
-            metrics["grad_norm"],
+            step,
+            skipped,
         )
     run.skipped_logged = skipped
     run.history.append(metrics)

@@ -1,7 +1,7 @@
 """The real training loop (``run_training``, what ``ray-fsdp train`` runs) on
 2 gloo ranks: no host sync in a step that does not log (FSDP2 accumulating
-unsharded, DMuon, DDP), a non-finite step skipped on the device, and the
-same losses as one process on the same data.
+unsharded, HSDP deferring its all-reduce, DMuon, DDP), a non-finite step
+skipped on the device, and the same losses as one process on the same data.
 
 One spawned job runs every case. Host syncs are counted with the profiler:
 every ``aten::_local_scalar_dense`` (what ``.item()``, ``float()``,
@@ -29,6 +29,9 @@ SMALL = [
 POISONED_CASES = {
     "fsdp_accumulate": ["train.grad_accum=2", "train.micro_batch_size=2",
                         "distributed.fsdp_accumulate_unsharded=true"],
+    "hsdp_accumulate": ["train.grad_accum=2", "train.micro_batch_size=2",
+                        "distributed.fsdp_sharding_strategy=hybrid_shard",
+                        "distributed.fsdp_hsdp_replicate_size=2"],
     "dmuon": ["train.optimizer=muon", "train.lr=0.02", "distributed.use_dmuon=true",
               "train.micro_batch_size=2"],
 }  # fmt: skip
