@@ -138,10 +138,7 @@ def _global_norm_power(
     # Sorted so that every rank reduces buckets in the same order.
     for (mesh, axes), tensors in sorted(buckets.items(), key=_bucket_order):
         # Accumulate in fp32 whatever the gradients' dtype (bf16 norms lose digits).
-        norms = torch.stack(
-            [n.to(device) for n in torch._foreach_norm(tensors, norm_type, dtype=torch.float32)]
-        )
-        part = norms.max() if is_inf else norms.pow(norm_type).sum()
+        part = _local_norm_power(tensors, norm_type, device)
         if mesh is None and check_replicated:
             collectives += _check_replicated(part, len(tensors))
         if mesh is not None:
@@ -151,6 +148,18 @@ def _global_norm_power(
                 collectives += 1
         total = torch.maximum(total, part.to(device)) if is_inf else total + part.to(device)
     return total, collectives
+
+
+def _local_norm_power(tensors: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """``sum |t|^p`` (``max |t|`` for inf) over this rank's ``tensors``. Empty
+    local shards (fewer rows than ranks) are skipped: ``_foreach_norm`` has no
+    inf norm of an empty tensor, and they add nothing to any norm."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
+    norms = torch.stack([n.to(device) for n in norms])
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
 def _check_replicated(sq: torch.Tensor, count: int) -> int:

@@ -150,8 +150,29 @@ def _plain_checks(rank, world):
     return counts, None
 
 
+def _norm_type_checks(rank, world):
+    """1-D and HSDP DTensors and plain tensors: every norm type equals
+    torch's on the full tensors, with one collective per bucket (MAX for inf)."""
+    out = {}
+    for norm_type in (1.0, 3.0, float("inf")):
+        _, fulls, params = _setup(rank, world)
+        ref = torch.nn.utils.get_total_norm(fulls, norm_type)
+        stats = clip_grad_norm_(params, float(ref) / 2, norm_type=norm_type)
+        torch.testing.assert_close(stats.total_norm, ref, atol=1e-5, rtol=1e-5)
+        coef = float(ref) / 2 / (float(ref) + 1e-6)
+        for p, f in zip(params, fulls, strict=True):
+            torch.testing.assert_close(_full_grad(p), f * coef, atol=1e-5, rtol=1e-5)
+        out[norm_type] = stats.num_collectives
+    return out
+
+
 def _all_checks(rank, world):
-    return _clip_checks(rank, world), _partial_checks(rank, world), _plain_checks(rank, world)
+    return (
+        _clip_checks(rank, world),
+        _partial_checks(rank, world),
+        _plain_checks(rank, world),
+        _norm_type_checks(rank, world),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +181,21 @@ def checks():
 
 
 def test_one_global_norm_over_mixed_meshes_and_plain_tensors(checks):
-    stats, _, _ = checks
+    stats, _, _, _ = checks
     assert stats["clip_coef"] < 1.0 and stats["finite"] == 1.0
 
 
 def test_partial_gradients_are_summed_once_per_mesh_before_the_norm(checks):
-    _, (mixed, many), _ = checks
+    _, (mixed, many), _, _ = checks
     assert (mixed, many) == (3, 1)
 
 
 def test_plain_gradients_that_differ_across_ranks_are_refused(checks):
-    _, _, (counts, error) = checks
+    _, _, (counts, error), _ = checks
     assert counts == [3]  # the two buckets' collectives and the check
     assert error is not None and "plain (non-DTensor) parameters differ across ranks" in error
+
+
+def test_norm_types_1_p_and_inf_equal_torch_on_the_full_tensors(checks):
+    *_, collectives = checks
+    assert collectives == {1.0: 2, 3.0: 2, float("inf"): 2}

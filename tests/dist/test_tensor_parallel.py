@@ -39,6 +39,7 @@ DECODER = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2
 # name: (model, strategy, hsdp replicate size, sequence_parallel, loss_parallel, micro-batches)
 CASES = {
     "decoder_sp": ("decoder", "full_shard", None, True, False, 1),
+    # with activation checkpointing (the flag below): TP, then checkpointing, then fully_shard
     "decoder_hsdp_loss_parallel_no_sync": ("decoder", "hybrid_shard", 2, False, True, 2),
     "llama": ("llama", "full_shard", None, None, False, 1),
     "llama_hsdp_loss_parallel": ("llama", "hybrid_shard", 2, None, True, 1),
@@ -82,6 +83,7 @@ def _run_case(rank, kind, strategy_name, replicate, sp, lp, micro, path):
         sequence_parallel=sp,
         loss_parallel=lp,
         use_mixed_precision=False,
+        use_gradient_checkpointing=micro > 1,
     )
     layout = resolve_layout(cfg, topology_from_node_counts([WORLD]))
     strategy = build_strategy(

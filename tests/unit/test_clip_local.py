@@ -70,3 +70,12 @@ def test_every_norm_type_matches_torch(norm_type):
 def test_non_positive_norm_type_is_an_error():
     with pytest.raises(ValueError, match="norm_type=0.0 must be positive or inf"):
         clip_grad_norm_(_params(torch.ones(2)), 1.0, norm_type=0)
+
+
+def test_an_empty_local_shard_adds_nothing_to_any_norm():
+    for norm_type in (2.0, float("inf")):
+        ours, ref = _pair(torch.arange(6.0), torch.zeros(0, 3))
+        expected = torch.nn.utils.get_total_norm([ref[0].grad], norm_type)
+        torch.testing.assert_close(
+            clip_grad_norm_(ours, None, norm_type=norm_type).total_norm, expected
+        )
