@@ -93,7 +93,9 @@ class TrainContext:
         ``tp_plan`` (``{module pattern: "colwise" | "rowwise" | ...}``) or the
         model's own plan; with ``context_parallel_size > 1`` its attention
         becomes Ulysses (or ring) over the cp group and a transformers model's
-        cache is turned off. See docs/parallelism.md."""
+        cache is turned off. See docs/parallelism.md. A ``peft`` model (frozen
+        base, trainable adapters) wraps the same way; built on the meta device,
+        its adapters get PEFT's own initialisation (docs/lora.md)."""
         return self.strategy.wrap(model, tp_plan=tp_plan)
 
     def loss_parallel(self):

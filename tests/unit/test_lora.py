@@ -91,3 +91,21 @@ def test_adapter_layout_from_shapes():
     assert layout == {"q_proj": [8], "v_proj": [8]}
     assert describe_layout(layout) == "q_proj r=8, v_proj r=8"
     assert describe_layout({}) == "no LoRA adapters"
+
+
+def test_other_peft_methods_get_their_own_init_on_meta():
+    """IA3 through ``reset_ia3_parameters`` (scales of one: the base model),
+    LoHa through ``reset_adapter_parameters`` (w2_b zero: the base model)."""
+    from transformers import AutoModelForCausalLM
+
+    for config, name, want in [
+        (peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+         "ia3_l", 1.0),
+        (peft.LoHaConfig(r=4, target_modules=["q_proj"]), "hada_w2_b", 0.0),
+    ]:  # fmt: skip
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        model = peft.get_peft_model(base, config)
+        materialize_meta_module(model, "cpu")
+        values = [p for n, p in model.named_parameters() if f".{name}." in n]
+        assert values and all(torch.all(p == want) for p in values), name
