@@ -205,9 +205,16 @@ def apply_tensor_parallel(
     and untied with a warning otherwise.
 
     Raises:
-        ValueError: a head count or split dimension ``tp`` does not divide.
+        ValueError: a plan that names no module of ``model``, or a head
+            count or split dimension ``tp`` does not divide.
     """
     matched = match_plan(model, plan)
+    if not matched:
+        raise ValueError(
+            f"the tensor-parallel plan matched no module of {type(model).__name__} "
+            f"(patterns {sorted(plan)[:4]}...): nothing would be split. For a wrapped model "
+            "(e.g. peft) pass ctx.wrap(model, tp_plan=...) with its module names"
+        )
     check_tp_divisibility(model, matched, tp_mesh.size())
     ties = _tied_parameters(model)
     styles = build_styles(matched, options)

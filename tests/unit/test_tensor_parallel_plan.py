@@ -86,3 +86,13 @@ def test_plans_without_entries_or_with_unknown_styles_are_refused():
         resolve_tp_plan(nn.Sequential(nn.Linear(2, 2)), {"0": "columnwise"})
     user = resolve_tp_plan(nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2)), {"0": "colwise"})
     assert user == {"0": "colwise"}
+
+
+def test_a_plan_that_names_no_module_is_refused_before_any_collective():
+    from ray_fsdp_backend.strategies.tensor_parallel import TPOptions, apply_tensor_parallel
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="matched no module of Sequential"):
+        apply_tensor_parallel(
+            model, None, {"model.layers.*.q_proj": "colwise"}, TPOptions(True, False)
+        )
