@@ -188,11 +188,18 @@ def _checkpoint_and_export(rank, world, path, model, opt, root):
 
 
 def _memory(model, opt, world):
-    """Which parameters got gradients and optimizer state; local share of the base."""
+    """Which parameters get gradients and optimizer state; local share of the base."""
+    _loss(model, input_ids(batch=GLOBAL_BATCH // world)).backward()
+    grads = {id(p) for p in model.parameters() if p.grad is not None}
+    opt.zero_grad(set_to_none=True)
     frozen_local = sum(p.to_local().numel() for p in model.parameters() if not p.requires_grad)
     frozen_total = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     with_state = {id(p) for p in opt.state}
     return dict(
+        frozen_with_grad=sum(id(p) in grads for p in model.parameters() if not p.requires_grad),
+        trainable_without_grad=sum(
+            id(p) not in grads for p in model.parameters() if p.requires_grad
+        ),
         frozen_share=frozen_local / frozen_total,
         frozen_with_state=sum(
             id(p) in with_state for p in model.parameters() if not p.requires_grad
@@ -339,5 +346,6 @@ def test_dmuon_plans_only_the_adapters(two):
 def test_only_adapters_get_gradients_and_optimizer_state(two):
     memory = two["memory"]
     assert memory["frozen_share"] == pytest.approx(0.5, abs=0.05)
+    assert memory["frozen_with_grad"] == memory["trainable_without_grad"] == 0
     assert memory["frozen_with_state"] == 0
     assert memory["trainable_without_state"] == 0

@@ -66,6 +66,17 @@ def test_peft_names_map_base_and_adapter_keys():
     assert len(names.adapters) == 2 * 2 * 2  # A and B, q and v, 2 layers
 
 
+def test_peft_names_with_a_task_type():
+    """``task_type`` gives a ``PeftModel`` subclass: the same names."""
+    from ray_fsdp_backend.hf.peft import peft_names
+
+    model = _meta_peft(task_type="CAUSAL_LM")
+    assert type(model).__name__ == "PeftModelForCausalLM"
+    names = peft_names(model, list(model.state_dict()))
+    assert names.base["base_model.model.model.norm.weight"] == "model.norm.weight"
+    assert len(names.adapters) == 8
+
+
 def test_adapter_config_of_another_rank_is_refused():
     from ray_fsdp_backend.hf.peft import check_adapter_config
     from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
