@@ -59,12 +59,12 @@ from ray_fsdp_backend.checkpoint.sharded import (
     AsyncCheckpointer,
     CheckpointStorageError,
     PendingSave,
-    broadcast_from_rank0,
     load_sharded,
     naming_store,
     save_sharded,
 )
 from ray_fsdp_backend.checkpoint.store import CheckpointStore
+from ray_fsdp_backend.collectives import broadcast_from_rank0
 from ray_fsdp_backend.retrying_fs import unwrap
 
 _logger = logging.getLogger(__name__)

@@ -47,6 +47,7 @@ from ray_fsdp_backend.checkpoint.layout import (
     stale_partials,
 )
 from ray_fsdp_backend.checkpoint.store import CheckpointStore, dcp_reader, dcp_writer
+from ray_fsdp_backend.collectives import broadcast_from_rank0
 from ray_fsdp_backend.strategies.peft import (
     adapter_layout,
     describe_layout,
@@ -441,20 +442,3 @@ def _read_extra(store: CheckpointStore, name: str, rank: int) -> tuple[dict[str,
     own = f"{name}/{extra_state_name(rank)}"
     path = own if store.exists(own) else f"{name}/{extra_state_name(0)}"
     return torch.load(io.BytesIO(store.read_file(path)), weights_only=True), path == own
-
-
-def broadcast_from_rank0(compute):
-    """``compute()`` on rank 0, its result on every rank (collective). An
-    exception on rank 0 is raised on every rank, so none waits forever."""
-    outcome = None
-    if dist.get_rank() == 0:
-        try:
-            outcome = ("ok", compute())
-        except Exception as exc:
-            outcome = ("error", exc)
-    box = [outcome]
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value

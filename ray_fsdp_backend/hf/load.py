@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from ray_fsdp_backend.collectives import broadcast_from_rank0
 from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.entries import Entry
 from ray_fsdp_backend.hf.experts import fuse_experts
@@ -105,7 +105,7 @@ def load_pretrained(
         root, key_map = peft.path, peft.key_map
         params = {n: i for n, i in params.items() if n in peft.required}
         state = {k: v for k, v in state.items() if k in peft.required}
-    checkpoint = _rank0_then_broadcast(lambda: read_checkpoint_index(fs, root, key_map))
+    checkpoint = broadcast_from_rank0(lambda: read_checkpoint_index(fs, root, key_map))
     rules = key_rules_for(inner, checkpoint, state) if peft is None else KeyRules()
     names = frozenset(state)
     mapped = {}
@@ -130,23 +130,6 @@ def load_pretrained(
         dtype = dtypes.most_common(1)[0][0] if dtypes else None
         _SOURCES[inner] = Source(fs, root, dtype)
     return reader
-
-
-def _rank0_then_broadcast(read):
-    """``read()`` on rank 0, its result (or its error) on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return read()
-    box: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = (True, read())
-        except PretrainedCheckpointError as exc:
-            box[0] = (False, str(exc))
-    dist.broadcast_object_list(box, src=0)
-    ok, value = box[0]
-    if not ok:
-        raise PretrainedCheckpointError(value)
-    return value
 
 
 def check_fits(

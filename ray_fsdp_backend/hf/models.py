@@ -15,6 +15,7 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 
+from ray_fsdp_backend.collectives import broadcast_from_rank0
 from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
 from ray_fsdp_backend.hf.reader import is_metadata_file, read_checkpoint_index
 
@@ -24,18 +25,27 @@ def metadata_dir(path: str | os.PathLike, filesystem: pafs.FileSystem | None = N
     """A local directory with the checkpoint's small files (``config.json``,
     tokenizer files), for the ``with`` block: ``path`` itself when local,
     else a temporary copy of those files only (never the weights), removed
-    on exit."""
+    on exit. Under a process group rank 0 downloads them and broadcasts the
+    bytes (collective): a store sees one download, not one per rank."""
     fs, root = resolve_filesystem(path, filesystem)
     if is_local(fs):
         yield root
         return
+    files = broadcast_from_rank0(lambda: _read_metadata_files(fs, root))
     with tempfile.TemporaryDirectory(prefix="rfb-pretrained-") as local:
-        for info in fs.get_file_info(pafs.FileSelector(root)):
-            if info.type == pafs.FileType.File and is_metadata_file(info.path):
-                with fs.open_input_stream(info.path) as src:
-                    with open(os.path.join(local, posixpath.basename(info.path)), "wb") as dst:
-                        dst.write(src.read())
+        for name, data in files.items():
+            with open(os.path.join(local, name), "wb") as dst:
+                dst.write(data)
         yield local
+
+
+def _read_metadata_files(fs: pafs.FileSystem, root: str) -> dict[str, bytes]:
+    files = {}
+    for info in fs.get_file_info(pafs.FileSelector(root)):
+        if info.type == pafs.FileType.File and is_metadata_file(info.path):
+            with fs.open_input_stream(info.path) as src:
+                files[posixpath.basename(info.path)] = src.read()
+    return files
 
 
 def build_causal_lm(

@@ -20,7 +20,7 @@ import torch
 
 from ray_fsdp_backend import FSDPConfig, build_strategy
 from ray_fsdp_backend.hf import export_model, load_pretrained
-from ray_fsdp_backend.hf.models import build_causal_lm
+from ray_fsdp_backend.hf.models import build_causal_lm, load_tokenizer
 from tests.counting_fs import RoundTrips
 from tests.dist.harness import run_ranks
 from tests.hf_models import input_ids, save_tiny_pretrained
@@ -42,7 +42,10 @@ def _logits(model) -> torch.Tensor:
 def _load_train_export(rank, world, s3):
     config = FSDPConfig(use_fsdp=True, use_mixed_precision=False)
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)
-    model = strategy.wrap(build_causal_lm(f"s3://{SOURCE}", filesystem=s3))
+    meta = RoundTrips(s3, latency=0.0)
+    model = strategy.wrap(build_causal_lm(f"s3://{SOURCE}", filesystem=meta.filesystem))
+    load_tokenizer(f"s3://{SOURCE}", filesystem=meta.filesystem)
+    metadata_opens = [c[1].rsplit("/", 1)[-1] for c in meta.calls if c[0] == "open"]
     timed = RoundTrips(s3, latency=0.05)
     reader = load_pretrained(model, f"s3://{SOURCE}", filesystem=timed.filesystem)
     loaded = _logits(model)
@@ -59,7 +62,7 @@ def _load_train_export(rank, world, s3):
     export_model(model, f"s3://{EXPORT}", filesystem=timed.filesystem, max_shard_size="20KB")
     trained = _logits(model)
     everyone = [None] * world
-    mine = (load_calls, sequential, slices, timed.bytes_written, reader.bytes_read)
+    mine = (load_calls, sequential, slices, timed.bytes_written, reader.bytes_read, metadata_opens)
     torch.distributed.all_gather_object(everyone, mine)
     return loaded, trained, everyone
 
@@ -114,7 +117,7 @@ def test_load_reads_concurrently_and_headers_once(run):
     files = _weight_files(run["src"])
     headers = [c for r in run["ranks"] for c in r[0] if c[0] == "read" and c[2:] == (0, 8)]
     assert sorted(c[1].rsplit("/", 1)[-1] for c in headers) == files, headers  # once per file
-    for calls, sequential, slices, _, _ in run["ranks"]:
+    for calls, sequential, slices, _, _, _ in run["ranks"]:
         reads = [c for c in calls if c[0] == "read"]
         print(f"{len(reads)} reads, {slices} tensors, {len(files)} files: {sequential} sequential")
         assert slices > len(files) and len(reads) > len(files)
@@ -148,3 +151,11 @@ def test_each_rank_uploads_its_share(run):
     print(f"export {weights} B of weights; uploaded per rank {written}")
     assert sum(written) == sum(sizes.values())  # no byte twice; configs by rank 0
     assert all(0.35 * weights <= w <= 0.65 * weights + 20_000 for w in written), (written, weights)
+
+
+def test_metadata_downloaded_by_rank0_only(run):
+    """config.json and the tokenizer files come from the store once per
+    build, on rank 0; the other ranks get the bytes by broadcast."""
+    first, *others = [r[5] for r in run["ranks"]]
+    assert first.count("config.json") == 2 and "tokenizer.json" in first, first  # model, tokenizer
+    assert others == [[]] * len(others), others
