@@ -90,3 +90,37 @@ def test_lora_target_matching_no_layer_is_named(tmp_path):
     _sizes.cache_clear()
     with pytest.raises(ValueError, match=r"target_modules=\['q_proj', 'qkv'\]: \['qkv'\] match"):
         spec.model.num_params()
+
+
+def test_train_refuses_lora_target_matching_no_layer_before_ray(tmp_path, monkeypatch, capsys):
+    """``ray-fsdp train`` checks the targets on the driver (a meta model from
+    ``config.json``) and exits before ``ray.init``."""
+    import ray
+    from transformers import LlamaConfig
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("ray.init called before the LoRA targets were checked")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    path = tmp_path / "llama"
+    LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2).save_pretrained(path)  # fmt: skip
+    argv = ["train", str(LORA_EXAMPLE), "--set", f"model.pretrained={path}",
+            "--set", "model.lora.target_modules=[q_proj, qkv]",
+            "--set", f"run.storage_path={tmp_path / 'runs'}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model.lora.target_modules=['q_proj', 'qkv']: ['qkv'] match no linear layer" in err, err
+    linear = [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "lm_head",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
+    assert f"its linear layers are {linear}" in err, err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "runs").exists()
