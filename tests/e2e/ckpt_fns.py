@@ -6,7 +6,9 @@ optimizer moments, the step and the RNG state), checkpoints every
 ``every`` steps and can inject faults, each once per run: a worker process dies
 (``os._exit``) mid-step, right after a checkpoint was reported, or during a
 save before the checkpoint is committed. Per-attempt facts go to
-JSON files in ``loop_config["fault_dir"]``.
+JSON files in ``loop_config["fault_dir"]``. With ``loop_config["pretrained"]``
+the model is that tiny Llama with LoRA adapters on its frozen base (adapter
+dropout: the rank's RNG enters the loss) on step-seeded token ids.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def next_attempt(fault_dir: str) -> int:
 
 
 def full_params(model) -> dict[str, list]:
-    options = StateDictOptions(full_state_dict=True)
+    """The trainable parameters, gathered (LoRA: the adapters only)."""
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
     return {k: v.tolist() for k, v in get_model_state_dict(model, options=options).items()}
 
 
@@ -69,13 +72,43 @@ def _fault(loop_config: dict, attempt: int, rank: int, step: int, where: str) ->
     return False
 
 
+def _toy(ctx, loop_config: dict):
+    """ToyNet and its step loss."""
+    model = ctx.wrap(reference_model())
+
+    def loss(step: int):
+        x, y = _batch(ctx, step)
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    return model, loss
+
+
+def _lora(ctx, loop_config: dict):
+    """The tiny pretrained Llama with LoRA adapters, and its step loss."""
+    from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_pretrained
+    from ray_fsdp_backend.trainer.tiny_pretrained import VOCAB
+
+    lora = {"r": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
+    cfg = PretrainedModelConfig.from_dict({"pretrained": loop_config["pretrained"], "lora": lora})
+    model = build_pretrained(ctx, cfg)
+
+    def loss(step: int):
+        ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(step))
+        per = 4 // ctx.dp_size
+        ids = ids[ctx.dp_rank * per : (ctx.dp_rank + 1) * per]
+        return model(input_ids=ids, labels=ids).loss
+
+    return model, loss
+
+
 def train_resumable(loop_config: dict) -> dict:
     ctx = rfb.get_context()
     fault_dir = loop_config["fault_dir"]
     attempt = next_attempt(fault_dir)
     torch.manual_seed(1000 + ctx.world_rank)
-    model = ctx.wrap(reference_model())
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    model, step_loss = (_lora if loop_config.get("pretrained") else _toy)(ctx, loop_config)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    opt = torch.optim.AdamW(trainable, lr=0.02, weight_decay=0.1)
     handed = ray.train.get_checkpoint()
     extra = ctx.restore_checkpoint(model, opt)
     start = extra["step"] if extra else 0
@@ -89,9 +122,8 @@ def train_resumable(loop_config: dict) -> dict:
     for step in range(start + 1, loop_config["steps"] + 1):
         if _fault(loop_config, attempt, ctx.world_rank, step, "mid_step"):
             os._exit(1)
-        x, y = _batch(ctx, step)
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = step_loss(step)
         loss.backward()
         opt.step()
         record["losses"][step] = _mean(float(loss), ctx)

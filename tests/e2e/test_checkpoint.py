@@ -4,7 +4,9 @@ run with another strategy and world size, export, and a hanging rank.
 
 Three fits share one Ray session: an uninterrupted reference, the same job
 with three injected faults, and a new run that resumes the faulted run's
-final checkpoint under DDP with 3 workers and then hangs one rank.
+final checkpoint under DDP with 3 workers and then hangs one rank. Two more
+in the same session: LoRA adapters on a tiny pretrained Llama, uninterrupted
+and with a worker killed after a checkpoint.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ FAULTS = [
 ]
 
 
-def _fit(tmp_path, name: str, faults: list, **config):
+def _fit(tmp_path, name: str, faults: list, steps: int = STEPS, **config):
     fault_dir = tmp_path / f"{name}_faults"
     fault_dir.mkdir()
     trainer = TorchTrainer(
         train_resumable,
         train_loop_config={
-            "steps": STEPS,
+            "steps": steps,
             "every": EVERY,
             "fault_dir": str(fault_dir),
             "faults": faults,
@@ -138,3 +140,30 @@ def test_new_run_reshards_to_ddp_and_a_hanging_rank_fails_within_timeout(runs):
     hang_s = ended - got["time"]
     print(f"hang to failed fit: {hang_s:.1f} s (timeout_s={timeout_s})")
     assert hang_s < timeout_s + 30, (hang_s, info.value)
+
+
+def test_lora_resume_after_killed_worker_equals_uninterrupted_run(ray_local, tmp_path):
+    """LoRA on the frozen tiny Llama (FSDP2, 2 workers): rank 1 dies right
+    after the step-2 checkpoint; the restarted group restores the adapters,
+    their AdamW state and the dropout RNG from the adapters-only checkpoint
+    and on the reloaded base computes the uninterrupted run's losses and
+    adapters, bit for bit."""
+    pytest.importorskip("peft")
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+
+    pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained")
+    steps, faults = 4, [{"rank": 1, "step": 2, "where": "after_save"}]
+    straight, ref_attempts, _ = _fit(tmp_path, "lora", [], steps, pretrained=pretrained)
+    faulted, attempts, fired = _fit(tmp_path, "lora_faulted", faults, steps, pretrained=pretrained)
+    assert attempts[fired[0] + 1]["resumed_from"] == 2, attempts
+    ref_losses = {s: v for a in ref_attempts for s, v in a["losses"].items()}
+    assert sorted(ref_losses, key=int) == [str(s) for s in range(1, steps + 1)]
+    assert {"3", "4"} <= set(attempts[fired[0] + 1]["losses"]), attempts
+    for attempt in attempts:
+        for step, loss in attempt["losses"].items():
+            assert loss == ref_losses[step], (attempt, step)
+    want, got = straight.return_value["params"], faulted.return_value["params"]
+    assert sorted(got) == sorted(want) and all(".lora_" in k for k in want), sorted(want)
+    assert len(want) == 4 * 2  # q_proj, v_proj x lora_A, lora_B x 2 blocks
+    for name, value in want.items():
+        assert torch.equal(torch.tensor(got[name]), torch.tensor(value)), name
