@@ -33,8 +33,9 @@ OUTAGE_S = 2.0
 
 class _Phases:
     """Runs one scenario on every rank: rank 0 sets the proxy's rules, all
-    ranks run ``fn``, and rank 0 records seconds, faults injected and the
-    error (a ``CheckpointStorageError``'s message), if any."""
+    ranks run ``fn``, and rank 0 records seconds, faults injected, the
+    retries of the backend's retry layer on all ranks and the error (a
+    ``CheckpointStorageError``'s message), if any."""
 
     def __init__(self, endpoint: str):
         self.faults = RemoteFaults(endpoint)
@@ -45,17 +46,24 @@ class _Phases:
             self.faults.clear()
             rules(self.faults)
         dist.barrier()
+        retries_before = retry.STATS.snapshot()[0]
         start, out, error = time.monotonic(), None, None
         try:
             out = fn()
         except CheckpointStorageError as exc:
             error = str(exc)
         seconds = time.monotonic() - start
-        dist.barrier()
+        retries = [0] * dist.get_world_size()
+        dist.all_gather_object(retries, retry.STATS.snapshot()[0] - retries_before)
         if dist.get_rank() == 0:
             injected = self.faults.injected()
             self.faults.clear()
-            self.log[name] = {"seconds": seconds, "injected": injected, "error": error}
+            self.log[name] = {
+                "seconds": seconds,
+                "injected": injected,
+                "retries": sum(retries),
+                "error": error,
+            }
         return out
 
 
@@ -119,10 +127,7 @@ def _scenarios(rank, world_size, s3, root, endpoint):
     missing = CheckpointStore(with_retries(s3, RetryPolicy(budget_s=60)), "no-such-bucket-28/run")
     phases.run("missing bucket", lambda f: None, lambda: save_sharded(missing, model, opt))
     saver.close()
-    retries = [retry.STATS.snapshot()]
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, retries)
-    return phases.log, names, listing, after_failure, saved, loaded, everyone
+    return phases.log, names, listing, after_failure, saved, loaded
 
 
 def test_transient_faults_cost_retries_only_and_permanent_ones_fail_fast(s3_server):
@@ -134,13 +139,14 @@ def test_transient_faults_cost_retries_only_and_permanent_ones_fail_fast(s3_serv
         # No bucket creation: a save must not create the missing bucket.
         s3 = s3_server.filesystem(endpoint_override=proxy.endpoint, allow_bucket_creation=False)
         root = f"{BUCKET}/run"
-        log, names, listing, after_failure, saved, loaded, retries = run_ranks(
+        log, names, listing, after_failure, saved, loaded = run_ranks(
             _scenarios, 2, s3, root, proxy.endpoint
         )
     finally:
         proxy.close()
     for name, entry in log.items():
-        print(f"{name}: {entry['seconds']:.1f} s, injected {entry['injected']}")
+        print(f"{name}: {entry['seconds']:.1f} s, injected {entry['injected']}, "
+              f"{entry['retries']} retries")  # fmt: skip
     transient = [n for n in log if n not in ("past the budget", "403", "missing bucket")]
     for name in transient:
         assert log[name]["error"] is None, (name, log[name]["error"])
@@ -149,8 +155,11 @@ def test_transient_faults_cost_retries_only_and_permanent_ones_fail_fast(s3_serv
     assert listing == "checkpoint_000004"
     for step in (1, 2, 3, 4):  # every object whole: loads equal the saved state exactly
         _assert_states_equal(loaded[step], saved[step])
-    print("retries (count, seconds) per rank:", retries)
-    assert sum(r[0][0] for r in retries) >= len(transient)
+    # pyarrow's client retries a 503 or a dropped connection itself, a few
+    # times within a second, so a storm may never reach the backend's layer;
+    # a 2 s outage of the reads outlasts those and must be retried by it.
+    for name in ("outage during the listing", "outage during restore reads of 1"):
+        assert log[name]["retries"] > 0, (name, log[name])
 
     past = log["past the budget"]
     print("past the budget:", past["error"][:400])
