@@ -6,14 +6,13 @@ and activation checkpointing recomputes each block in backward.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from ray_fsdp_backend.strategies.cpu_rng import single_process_rng_on_cpu_meshes
 from ray_fsdp_backend.strategies.peft import (
     check_meta_initialisable,
     is_peft_model,
@@ -147,7 +146,9 @@ def materialize_meta_module(
     (:func:`~ray_fsdp_backend.strategies.peft.reset_adapters`).
 
     Run after sharding, so each rank allocates and initialises only its own
-    shard and no rank ever holds the full model. Parameters go to ``device``
+    shard and no rank ever holds the full model. On CPU meshes random fills
+    give the values one process would from the same seed
+    (:mod:`~ray_fsdp_backend.strategies.cpu_rng`). Parameters go to ``device``
     (the host under CPU offload: FSDP2 moves them per use), buffers to
     ``buffer_device`` (default ``device``): FSDP2 never moves buffers, so they
     live where compute runs. ``init_weights()`` must also recompute
@@ -181,7 +182,7 @@ def materialize_meta_module(
         owner, _, attr = name.rpartition(".")
         buffers = model.get_submodule(owner)._buffers
         buffers[attr] = buffers[attr].to(buffer_device or device)
-    with torch.no_grad(), _quiet_dtensor_cpu_rng(device):
+    with torch.no_grad(), single_process_rng_on_cpu_meshes(device):
         if callable(init):
             init()
         else:
@@ -195,29 +196,6 @@ def materialize_meta_module(
         current = dict(_named_tensors(model))
         for name, value in real.items():  # values the caller gave win over init
             current[name].copy_(value)
-
-
-@contextlib.contextmanager
-def _quiet_dtensor_cpu_rng(device: torch.device | str) -> Iterator[None]:
-    """Silence torch's "DTensor random operators may not have complete
-    support on cpu device mesh" while a CPU model is initialised.
-
-    torch 2.13 (``torch.distributed.tensor._random.is_rng_supported_mesh``)
-    warns at the first random op on a DTensor of a CPU mesh, because its
-    offset-based RNG tracker needs a device generator: each rank then fills
-    its own shard from its own CPU generator. Every CPU run's meta-device
-    initialisation hits it once per worker, and the message tells the user
-    nothing they can act on, so only this one known message is filtered,
-    only here and only for CPU; GPU meshes have the tracker and warn nothing.
-    """
-    if torch.device(device).type != "cpu":
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="DTensor random operators may not have complete support on cpu"
-        )
-        yield
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend import FSDPConfig, build_strategy
+from ray_fsdp_backend.strategies.blocks import materialize_meta_module
 from tests.dist.harness import run_ranks
 from tests.models import ToyNet, make_batch, reference_model
 
@@ -187,13 +188,23 @@ def check_meta_device_model(name, rank, world):
     strategy = build_strategy(_config(name), device=torch.device("cpu"), local_rank=rank)
     with torch.device("meta"):
         model = ToyNet()
+    torch.manual_seed(5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = strategy.wrap(model)
-    # torch's CPU-mesh DTensor RNG message is silenced (strategies/blocks.py).
+    # Random fills of CPU-mesh DTensors never reach torch's DTensor RNG, which
+    # warns on CPU meshes (strategies/cpu_rng.py).
     assert not [w for w in caught if "DTensor random operators" in str(w.message)], name
     inner = getattr(model, "module", model)
     assert not any(t.is_meta for t in [*inner.parameters(), *inner.buffers()])
+    # The sharded init is the one-process init from the same seed (on CPU
+    # meshes each shard used to repeat the first: equal halves).
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        ref = ToyNet()
+    materialize_meta_module(ref, "cpu")
+    for key, value in _params(model).items():
+        assert torch.equal(value, dict(ref.named_parameters())[key]), (name, key)
     losses, _ = _train(model, _local_batch(*make_batch(), rank, world), steps=5, strategy=strategy)
     assert all(torch.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
     # Every replica must start from the same values, or DDP/HSDP replicas drift apart.

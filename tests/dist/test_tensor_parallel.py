@@ -14,7 +14,6 @@ unsharded model, with one all-reduce per (mesh, sharded axes) bucket.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
 from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.strategies.blocks import materialize_meta_module
 from ray_fsdp_backend.topology import topology_from_node_counts
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from tests.dist.harness import run_ranks
@@ -89,7 +89,11 @@ def _run_case(rank, kind, strategy_name, replicate, sp, lp, micro, path):
     strategy = build_strategy(
         cfg, device=torch.device("cpu"), local_rank=rank, mesh=build_device_mesh(layout, "cpu")
     )
+    torch.manual_seed(0)
     model = strategy.wrap(_build(kind, path))
+    init = {}  # the decoder's random init (the Llama's comes from its checkpoint)
+    if kind == "decoder":
+        init = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     load_pretrained(model, path)
     xs, ys = _batches(DECODER.vocab_size if kind == "decoder" else VOCAB)
     with torch.no_grad():
@@ -126,6 +130,7 @@ def _run_case(rank, kind, strategy_name, replicate, sp, lp, micro, path):
     }
     return dict(
         mesh=layout.axis_names,
+        init=init,
         logits=logits,
         losses=losses,
         norms=norms,
@@ -221,6 +226,21 @@ def test_tp_matches_one_process(results, name):
         # Buckets: TP-split weights (sharded on dp and tp) and replicated norms
         # (sharded on dp only): one all-reduce per sharded axis of each.
         assert collectives == 3
+
+
+def test_meta_init_on_cpu_equals_one_process_from_the_same_seed(results):
+    """Meta-built and sharded over tp 2 x dp 2 (a _StridedShard dim), the
+    decoder's random init is the one-process init: no two shards alike."""
+    got, _ = results
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        ref = Transformer(DECODER)
+    materialize_meta_module(ref, "cpu")
+    for name in ("decoder_sp", "decoder_hsdp_loss_parallel_no_sync"):
+        init = got[name]["init"]
+        assert init.keys() == dict(ref.named_parameters()).keys()
+        for key, value in ref.named_parameters():
+            assert torch.equal(init[key], value), (name, key)
 
 
 def test_placements_split_weights_on_tp_and_replicate_norms(results):
