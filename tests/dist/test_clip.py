@@ -3,11 +3,11 @@ on 4 gloo ranks, against the norm of the full tensors computed in one process.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-import pytest
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ray_fsdp_backend.clip import clip_grad_norm_

@@ -24,9 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
-from ray_fsdp_backend import dmuon
+from ray_fsdp_backend import FSDPConfig, dmuon
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
-from ray_fsdp_backend import FSDPConfig
 from ray_fsdp_backend.dmuon import newton_schulz
 from ray_fsdp_backend.strategies import build_strategy
 from ray_fsdp_backend.strategies.dmuon import DMuonFSDPStrategy
