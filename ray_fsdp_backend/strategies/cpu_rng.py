@@ -72,8 +72,9 @@ class _FullDrawMode(TorchDispatchMode):
 def single_process_rng_on_cpu_meshes(device: torch.device | str) -> Iterator[None]:
     """Within it, random fills of CPU-mesh DTensors give the values one
     process gives from the same generator state (see the module docstring).
-    A no-op unless ``device``, where parameters are materialised, is the CPU
-    (GPU meshes, CPU offload included, keep torch's RNG tracker)."""
+    Entered only when ``device``, where parameters are materialised, is the
+    CPU; even then DTensors of GPU meshes (CPU offload) pass through to
+    torch's RNG tracker."""
     if torch.device(device).type != "cpu":
         yield
         return

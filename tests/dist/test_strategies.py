@@ -203,8 +203,10 @@ def check_meta_device_model(name, rank, world):
     with torch.device("meta"):
         ref = ToyNet()
     materialize_meta_module(ref, "cpu")
-    for key, value in _params(model).items():
-        assert torch.equal(value, dict(ref.named_parameters())[key]), (name, key)
+    want, got = dict(ref.named_parameters()), _params(model)
+    assert got.keys() == want.keys(), name
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), (name, key)
     losses, _ = _train(model, _local_batch(*make_batch(), rank, world), steps=5, strategy=strategy)
     assert all(torch.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
     # Every replica must start from the same values, or DDP/HSDP replicas drift apart.

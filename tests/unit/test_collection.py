@@ -24,10 +24,8 @@ def test_the_test_command_collects_the_multi_process_tests():
 def test_the_lint_command_reads_the_multi_process_tests():
     """``ruff check .`` (in .ci/run) must enter tests/dist: ruff's default
     ``exclude`` skips any directory named ``dist``."""
-    import shutil
-
     out = subprocess.run(
-        [shutil.which("ruff") or "ruff", "check", "--show-files", "."],
+        [sys.executable, "-m", "ruff", "check", "--show-files", "."],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert "tests/dist/harness.py" in out and "ray_fsdp_backend/__init__.py" in out
