@@ -26,57 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name substring.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
-
-
-def peak_tflops(device_name: str) -> float | None:
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
-
-
-def pick_device(cpu: bool, name: str) -> torch.device | None:
-    """The CPU with ``cpu``, else GPU 0 (made current); None, saying why,
-    when no CUDA GPU is visible."""
-    if cpu:
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-        return torch.device("cuda", 0)
-    print(f"{name}: skipped, no CUDA GPU is visible (torch.cuda.is_available() "
-          f"is False; torch {torch.__version__})")  # fmt: skip
-    return None
-
-
-def init_single_rank(device: torch.device) -> None:
-    """A world-size-1 process group: NCCL bound to ``device`` on GPU, gloo on CPU."""
-    from tests.dist.harness import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
-    from ray_fsdp_backend import FSDPConfig
-    from ray_fsdp_backend.backend import resolve_pg_backend
-
-    on_gpu = device.type == "cuda"
-    # The backend string the Ray backend resolves under CPU offload (check 4).
-    offload = FSDPConfig(use_fsdp=True, fsdp_cpu_offload=True)
-    dist.init_process_group(
-        resolve_pg_backend(offload, uses_gpu=on_gpu),
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=120),
-        device_id=device if on_gpu else None,
-    )
+from benchmarks._device import init_single_rank, pick_device
+from ray_fsdp_backend.metrics.flops import resolve_peak_flops
 
 
 def _sync(device: torch.device) -> None:
@@ -160,7 +120,8 @@ def throughput(preset: dict, device: torch.device, *, batch: int, steps: int, re
             times[name].append((time.perf_counter() - start) / steps)
     tokens = batch * seq
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = peak_tflops(name)
+    peak_flops = resolve_peak_flops(name, "bf16")
+    peak = None if peak_flops is None else peak_flops / 1e12
     out = {"device": name, "params": cfg.num_params(), "batch": batch, "seq_len": seq,
            "peak_bf16_tflops": peak}  # fmt: skip
     for key, values in times.items():

@@ -323,7 +323,7 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from benchmarks.gpu import init_single_rank, pick_device
+    from benchmarks._device import init_single_rank, pick_device
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("sustained_out"), help="a directory")

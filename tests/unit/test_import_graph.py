@@ -10,19 +10,19 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import benchmarks
 import ray_fsdp_backend
 
-PACKAGE = "ray_fsdp_backend"
 ROOT = Path(ray_fsdp_backend.__file__).parent
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+def _modules(root: Path) -> dict[str, Path]:
+    return {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -40,9 +40,10 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the package modules it imports (symbols resolve to their module)."""
-    modules = _modules()
+    package = root.name
+    modules = _modules(root)
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         edges: set[str] = set()
@@ -55,7 +56,7 @@ def import_graph() -> dict[str, set[str]]:
             else:
                 continue
             for target in targets:
-                if target.split(".")[0] == PACKAGE:
+                if target.split(".")[0] == package:
                     resolved = _resolve(target, modules)
                     if resolved and resolved != module:
                         edges.add(resolved)
@@ -110,6 +111,11 @@ def test_graph_sees_imports_inside_functions():
 
 def test_package_imports_have_no_cycle():
     cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_benchmark_imports_have_no_cycle():
+    cycle = find_cycle(import_graph(Path(benchmarks.__file__).parent))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
