@@ -19,6 +19,7 @@ _EXPORTS = {
     "CheckpointMismatchError": "ray_fsdp_backend.checkpoint",
     "FSDPConfig": "ray_fsdp_backend.backend",
     "FSDPSettings": "ray_fsdp_backend.config",
+    "MeshDataConfig": "ray_fsdp_backend.data_config",
     "ShardingStrategy": "ray_fsdp_backend.config",
     "TrainContext": "ray_fsdp_backend.context",
     "get_context": "ray_fsdp_backend.context",
@@ -37,6 +38,7 @@ __all__ = [
     "FSDPConfig",
     "FSDPSettings",
     "FSDPStrategy",
+    "MeshDataConfig",
     "PretrainedCheckpointError",
     "ShardingStrategy",
     "TrainContext",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.config import FSDPSettings, ShardingStrategy
     from ray_fsdp_backend.context import TrainContext, get_context
+    from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
     from ray_fsdp_backend.strategies import (
         DDPStrategy,

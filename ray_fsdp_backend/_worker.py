@@ -37,6 +37,25 @@ def describe_worker() -> tuple[WorkerInfo, tuple[str, int]]:
     return info, (ray.util.get_node_ip_address(), port)
 
 
+def describe_datasets() -> tuple[tuple[str, ...], bool]:
+    """The run's Ray Datasets that its ``dataset_config`` splits, and whether
+    that config is a :class:`~ray_fsdp_backend.data_config.MeshDataConfig`.
+
+    Ray 2.60 exposes neither to a backend: both are read from Train V2's
+    worker context (``train_run_context.dataset_config``, the shard
+    provider's dataset names).
+    """
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    from ray_fsdp_backend.data_config import MeshDataConfig
+
+    train = get_train_context()
+    config = train.train_run_context.dataset_config
+    names = set(getattr(train.dataset_shard_provider, "_dataset_names", ()))
+    split = names if config._datasets_to_split == "all" else names & set(config._datasets_to_split)
+    return tuple(sorted(split)), isinstance(config, MeshDataConfig)
+
+
 def _select_device() -> torch.device:
     if ray.get_gpu_ids() and torch.cuda.is_available():
         device = ray.train.torch.get_device()

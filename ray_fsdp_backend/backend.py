@@ -27,8 +27,9 @@ from ray.train.torch import TorchConfig
 
 from ray_fsdp_backend import _worker
 from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.data_config import check_dataset_split
 from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.topology import compute_topology
+from ray_fsdp_backend.topology import DATA_PARALLEL_AXES, compute_topology
 
 _logger = logging.getLogger(__name__)
 
@@ -78,6 +79,12 @@ class FSDPBackend(Backend):
         infos = [info for info, _ in described]
         topology = compute_topology(infos)
         layout = resolve_layout(backend_config, topology)
+        dp_size = layout.size(DATA_PARALLEL_AXES)
+        if dp_size != topology.world_size:  # tp / cp groups must read the same rows
+            names, by_dp_rank = ray.get(
+                worker_group.execute_single_async(0, _worker.describe_datasets)
+            )
+            check_dataset_split(names, by_dp_rank, dp_size, topology.world_size)
         uses_gpu = any(info.gpu_ids for info in infos)
         backend_config.check_cp_device("cuda" if uses_gpu else "cpu")
         pg_backend = resolve_pg_backend(backend_config, uses_gpu)

@@ -418,6 +418,7 @@ def run_training(spec: RunSpec, name: str):
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.trainer.train import train_loop_per_worker
 
     if not ray.is_initialized():
@@ -440,6 +441,7 @@ def run_training(spec: RunSpec, name: str):
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
         ),
         datasets=build_datasets(spec),
+        dataset_config=MeshDataConfig(),  # ray_data rows split by dp rank, not world rank
     )
     return trainer.fit()
 

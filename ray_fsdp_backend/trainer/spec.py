@@ -86,8 +86,9 @@ class DataOptions:
 
     source: str = "corpus"
     """``corpus``: one text file read by every worker, sharded by rank in a
-    resumable order. ``ray_data``: ``ray.data.read_text(path)`` split across
-    workers by Ray Data (for datasets larger than one file)."""
+    resumable order. ``ray_data``: ``ray.data.read_text(path)`` split by Ray
+    Data across the data-parallel ranks (``rfb.MeshDataConfig``: the ranks of a
+    tp / cp group read the same rows), for datasets larger than one file."""
     path: str | None = None
     """Text file (``corpus``) or files/directory/URI (``ray_data``); None is the
     shipped corpus."""
@@ -414,12 +415,6 @@ def _context_parallel_errors(dist, model, data, scaling) -> list[str]:
             dist.resolve_cp_backend(model.n_heads, device)
         except ValueError as exc:
             errors.append(str(exc))
-    if data is not None and data.source == "ray_data":
-        errors.append(
-            "data.source='ray_data' with distributed.context_parallel_size > 1: Ray Data "
-            "splits rows by world rank, but the ranks of one cp group must read the same rows; "
-            "use data.source='corpus' (sharded by ctx.dp_rank)"
-        )
     return errors
 
 
@@ -442,12 +437,6 @@ def tensor_parallel_errors(dist, model, data) -> list[str]:
                 f"distributed.tensor_parallel_size={tp} does not divide {', '.join(bad)}: "
                 "every split dimension and head count must be a multiple of the tp size"
             )
-    if data is not None and data.source == "ray_data":
-        errors.append(
-            "data.source='ray_data' with distributed.tensor_parallel_size > 1: Ray Data "
-            "splits rows by world rank, but the ranks of one tp group must read the same rows; "
-            "use data.source='corpus' (sharded by ctx.dp_rank)"
-        )
     return errors
 
 
