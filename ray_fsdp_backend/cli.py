@@ -255,12 +255,13 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
         spec, strategy, layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
     )
     lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS))
-    if cfg.use_dmuon:
-        lines += format_dmuon(spec, layout.axis_size(SHARD_AXIS))
+    if cfg.use_dmuon:  # owners span FSDP's dp_shard x cp; TP blocks are gathered over tp
+        shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
+        lines += format_dmuon(spec, shard, tp)
     return "\n".join(lines)
 
 
-def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
+def format_dmuon(spec: RunSpec, shard_size: int, tp: int = 1) -> list[str]:
     """DMuon's owners and Newton–Schulz critical path for the trainer's model
     (built on meta; a pretrained one from its ``config.json`` alone), as the
     trainer plans them."""
@@ -268,6 +269,7 @@ def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
 
     from ray_fsdp_backend.dmuon.plan import format_ns_schedule
     from ray_fsdp_backend.dmuon.selection import dedicated_specs
+    from ray_fsdp_backend.dmuon.tensor_parallel import format_tp_traffic
 
     if isinstance(spec.model, ModelConfig):
         from ray_fsdp_backend.trainer.model import Transformer
@@ -278,7 +280,10 @@ def format_dmuon(spec: RunSpec, shard_size: int) -> list[str]:
         from ray_fsdp_backend.hf.models import build_causal_lm
 
         model = build_causal_lm(spec.model.pretrained)
-    return format_ns_schedule(dedicated_specs(model), shard_size)
+    specs = dedicated_specs(model)
+    return format_ns_schedule(specs, shard_size) + format_tp_traffic(
+        [m.shape for m in specs], tp, shard_size
+    )
 
 
 def _describe_nodes(node_counts: Sequence[int]) -> str:

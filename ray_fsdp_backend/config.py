@@ -162,7 +162,7 @@ class FSDPSettings:
     split by its TP plan first, then FSDP2 shards over the remaining
     data-parallel ranks, mesh ``(dp_shard, tp)`` or, with a hybrid strategy,
     ``(dp_replicate, dp_shard, tp)``. Must divide every node's worker count;
-    needs ``use_fsdp``; not with ``use_dmuon``."""
+    needs ``use_fsdp``. With ``use_dmuon`` owners gather whole matrices over tp."""
 
     sequence_parallel: bool | None = None
     """Under tensor parallelism, also split norms and dropout along the
@@ -175,8 +175,8 @@ class FSDPSettings:
     ranks of one cp group read the same rows, each keeps ``seq / cp`` tokens
     of them (``ctx.shard_sequence``); FSDP2 shards over ``dp_shard`` x ``cp``
     and *sums* gradients, so the loss is the token sum over the global token
-    count (``ctx.global_token_count``). Needs ``use_fsdp``; not with
-    ``use_dmuon``. See docs/long-context.md."""
+    count (``ctx.global_token_count``); DMuon's matrices get their gradients
+    from the same reduction. Needs ``use_fsdp``. See docs/long-context.md."""
 
     context_parallel_backend: str = "auto"
     """``ulysses`` (all-to-all around attention: any device, any kernel,
@@ -193,7 +193,7 @@ class FSDPSettings:
 
     use_dmuon: bool = False
     """Train with the distributed Muon runtime (:mod:`ray_fsdp_backend.dmuon`).
-    Needs ``use_fsdp``."""
+    Needs ``use_fsdp``; composes with context parallelism."""
 
     fsdp_block_classes: tuple[str, ...] = ()
     """Class names of the modules sharded as one FSDP unit each (transformer
@@ -468,13 +468,6 @@ def _check_tensor_parallel(cfg: FSDPSettings) -> None:
             f"tensor_parallel_size={tp} needs use_fsdp=true: tensor parallelism composes with "
             "FSDP2 on the data-parallel sub-mesh, not with DDP"
         )
-    if cfg.use_dmuon:
-        raise ValueError(
-            f"tensor_parallel_size={tp} with use_dmuon=true is not supported: DMuon's owners "
-            "run Newton-Schulz on whole matrices gathered over dp_shard, and a TP-split matrix "
-            "would also have to be gathered over tp every step. Use AdamW/Muon without DMuon, "
-            "or tensor_parallel_size=1"
-        )
 
 
 CONTEXT_PARALLEL_BACKENDS = ("auto", "ulysses", "ring")
@@ -500,12 +493,6 @@ def _check_context_parallel(cfg: FSDPSettings) -> None:
         raise ValueError(
             f"context_parallel_size={cp} needs use_fsdp=true: the cp ranks join FSDP2's shard "
             "axis (dp_shard x cp); DDP with context parallelism is not supported"
-        )
-    if cfg.use_dmuon:
-        raise ValueError(
-            f"context_parallel_size={cp} with use_dmuon=true is not supported: DMuon's owners "
-            "reduce gradients by averaging, while context parallelism sums them over "
-            "dp_shard x cp. Use AdamW, or context_parallel_size=1"
         )
 
 

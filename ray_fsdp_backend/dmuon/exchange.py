@@ -23,8 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ray_fsdp_backend.dmuon.plan import OwnershipPlan, RankLayout, compute_rank_layout
+from ray_fsdp_backend.topology import TP_AXIS
 
 Stacks = dict[tuple[int, int], torch.Tensor]
 """Owned matrices of one bucket by shape: ``(count, rows, cols)`` each."""
@@ -52,7 +54,10 @@ def resolve_shard_group(dedicated: list[tuple[str, nn.Parameter]]) -> ShardGroup
 
     All of them must be DTensors on one mesh, ``Shard(0)`` on exactly one axis
     and ``Replicate`` on the others (FSDP2: ``(Shard(0),)``, HSDP:
-    ``(Replicate(), Shard(0))``), or all plain tensors.
+    ``(Replicate(), Shard(0))``), or all plain tensors. A ``tp`` axis is left
+    to :mod:`~ray_fsdp_backend.dmuon.tensor_parallel`; over a TP-split
+    matrix FSDP2 shards rows with ``_StridedShard(0)``, which counts as
+    ``Shard(0)`` here (each rank holds ``torch.chunk`` rows of its TP block).
 
     Raises:
         ValueError: mixed DTensor and plain parameters, several meshes, or
@@ -68,24 +73,32 @@ def resolve_shard_group(dedicated: list[tuple[str, nn.Parameter]]) -> ShardGroup
             "whole model with FSDP2 before building the optimizer"
         )
     mesh = dtensors[0][1].device_mesh
-    axes = {_shard_axis(n, p, mesh) for n, p in dtensors}
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_axis = names.index(TP_AXIS) if TP_AXIS in names else None
+    axes = {_shard_axis(n, p, mesh, tp_axis) for n, p in dtensors}
     if len(axes) != 1:
         raise ValueError(f"dedicated parameters are sharded on different mesh axes {sorted(axes)}")
     axis = axes.pop()
     return ShardGroup(mesh=mesh, axis=axis, rank=mesh.get_local_rank(axis), size=mesh.size(axis))
 
 
-def _shard_axis(name: str, p: DTensor, mesh: DeviceMesh) -> int:
+def _shard_axis(name: str, p: DTensor, mesh: DeviceMesh, tp_axis: int | None) -> int:
     if p.device_mesh != mesh:
         raise ValueError(f"dedicated parameter {name!r} lives on another device mesh")
-    sharded = [i for i, pl in enumerate(p.placements) if pl == Shard(0)]
-    others_ok = all(pl == Replicate() for i, pl in enumerate(p.placements) if i not in sharded)
+    placements = {i: pl for i, pl in enumerate(p.placements) if i != tp_axis}
+    sharded = [i for i, pl in placements.items() if _rows(pl)]
+    others_ok = all(pl == Replicate() for i, pl in placements.items() if i not in sharded)
     if len(sharded) != 1 or not others_ok:
         raise ValueError(
             f"dedicated parameter {name!r} has placements {tuple(p.placements)}: DMuon needs "
             "Shard(0) on one mesh axis and Replicate on the others (FSDP2's default)"
         )
     return sharded[0]
+
+
+def _rows(placement) -> bool:
+    """``Shard(0)``, or FSDP2's ``_StridedShard(0)`` over a TP-split matrix."""
+    return placement == Shard(0) or (isinstance(placement, _StridedShard) and placement.dim == 0)
 
 
 @dataclass

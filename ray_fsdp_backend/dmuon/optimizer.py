@@ -18,10 +18,13 @@ One Muon step, per dedicated matrix, following ``torch.optim.Muon``:
 5. every rank applies decoupled weight decay and the (shape-adjusted)
    learning rate to its shard.
 
-Under HSDP the same happens inside each ``dp_shard`` group, identically in
-every replica group (FSDP2 has already all-reduced the gradients across
-``dp_replicate``). Both exchanges travel in ``ns_dtype``: Newton–Schulz casts
-to it first and returns it, so nothing is lost on the wire.
+Under tensor parallelism the same runs on each rank's TP block, and owners
+assemble whole matrices over the tp group before step 3
+(:mod:`~ray_fsdp_backend.dmuon.tensor_parallel`). Under HSDP the same
+happens inside each ``dp_shard`` group, identically in every replica group
+(FSDP2 has already all-reduced the gradients across ``dp_replicate``). Both
+exchanges travel in ``ns_dtype``: Newton–Schulz casts to it first and returns
+it, so nothing is lost on the wire.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ from ray_fsdp_backend.dmuon.plan import (
     row_range,
 )
 from ray_fsdp_backend.dmuon.selection import select_parameters
+from ray_fsdp_backend.dmuon.tensor_parallel import (
+    TensorSplit,
+    orthogonalize_whole,
+    resolve_tensor_split,
+)
 
 MUON_GROUP = "muon"
 ADAMW_GROUP = "adamw"
@@ -124,7 +132,11 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.param_names = tuple(name for name, _ in dedicated)
         self.shard_group: ShardGroup = resolve_shard_group(dedicated)
-        specs = [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated]
+        self.tensor_split: TensorSplit = resolve_tensor_split(dedicated)
+        self._shapes = tuple(tuple(p.shape) for _, p in dedicated)  # whole, for the lr
+        # Planned and exchanged over dp_shard on each rank's TP block.
+        blocks = [self.tensor_split.block_shape(s, i) for i, s in enumerate(self._shapes)]
+        specs = [MatrixSpec(name, b) for (name, _), b in zip(dedicated, blocks, strict=True)]
         self.plan: OwnershipPlan = compute_ownership_plan(
             specs, self.shard_group.size, bucket_numel
         )
@@ -194,11 +206,11 @@ class Muon(torch.optim.Optimizer):
         params = group["params"]
         updates, owned, ns_calls = self._orthogonalized_shards(params, group, keep)
         lr = _to_scalar(group["lr"])
-        for i, (p, spec) in enumerate(zip(params, self.plan.matrices, strict=True)):
+        for i, (p, shape) in enumerate(zip(params, self._shapes, strict=True)):
             if p.grad is None:
                 continue
             local = _local(p)
-            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], spec.shape)
+            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], shape)
             update = updates[i].to(local.device)  # offload: host shard
             if keep.found_inf is None:
                 local.mul_(1 - lr * group["weight_decay"])
@@ -230,7 +242,10 @@ class Muon(torch.optim.Optimizer):
             full = ex.finish_to_owners(incoming)
             if b + 1 < len(ex.layouts):
                 incoming = self._start_bucket(b + 1, params, group, keep)
-            outgoing.append(ex.start_to_shards(b, self._orthogonalize(full, group)))
+            done = orthogonalize_whole(
+                full, layout.ns_batches, self.tensor_split, lambda s: self._orthogonalize(s, group)
+            )
+            outgoing.append(ex.start_to_shards(b, done))
             owned += layout.owned
             ns_calls += len(layout.ns_batches)
         updates: dict[int, torch.Tensor] = {}

@@ -150,6 +150,9 @@ class FSDPStrategy(DistributionStrategy):
     """FSDP2 over the data-parallel axes of the mesh the backend built
     (1-D: FSDP, 2-D: HSDP); model-parallel axes (tp) are left to the plan."""
 
+    use_dmuon = False
+    """Tells a model's ``convert_to_fsdp`` hook that DMuon is on (the DMuon strategy)."""
+
     @functools.cached_property
     def dp_mesh(self) -> DeviceMesh:
         """The sub-mesh ``fully_shard`` shards and replicates over (made once:
@@ -179,7 +182,7 @@ class FSDPStrategy(DistributionStrategy):
             self._refuse_tp_plan(tp_plan)
         else:
             self._apply_tensor_parallel(model, tp_plan)
-        return self._wrap(model, use_dmuon=False)
+        return self._wrap(model, use_dmuon=self.use_dmuon)
 
     def _apply_tensor_parallel(self, model: nn.Module, tp_plan: dict | None) -> None:
         """Split ``model`` over the tp mesh (before blocks are compiled,

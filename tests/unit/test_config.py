@@ -140,10 +140,8 @@ def test_tensor_parallel_keys_are_checked_by_name():
         FSDPConfig(use_fsdp=True, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs use_fsdp=true"):
         FSDPConfig(tensor_parallel_size=2)
-    with pytest.raises(
-        ValueError, match="tensor_parallel_size=2 with use_dmuon=true is not supported"
-    ):
-        FSDPConfig(use_fsdp=True, use_dmuon=True, tensor_parallel_size=2)
+    # DMuon under tp: tests/dist/test_dmuon_model_parallel.py
+    assert FSDPConfig(use_fsdp=True, use_dmuon=True, tensor_parallel_size=2).use_dmuon
     with pytest.raises(ValueError, match="loss_parallel=True needs tensor_parallel_size > 1"):
         FSDPConfig(use_fsdp=True, loss_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_parallel_size > 1"):

@@ -116,8 +116,8 @@ def test_config_refuses_bad_context_parallel_layouts_by_key():
 
     with pytest.raises(ValueError, match="context_parallel_size=2 needs use_fsdp"):
         FSDPSettings(context_parallel_size=2)  # DDP
-    with pytest.raises(ValueError, match="context_parallel_size=2 with use_dmuon"):
-        FSDPSettings(use_fsdp=True, use_dmuon=True, context_parallel_size=2)
+    # DMuon under cp: tests/dist/test_dmuon_model_parallel.py
+    assert FSDPSettings(use_fsdp=True, use_dmuon=True, context_parallel_size=2).use_dmuon
     with pytest.raises(ValueError, match="context_parallel_backend='ringg' is not one of"):
         FSDPSettings(use_fsdp=True, context_parallel_size=2, context_parallel_backend="ringg")
     with pytest.raises(ValueError, match="context_parallel_size=0 must be a positive int"):
