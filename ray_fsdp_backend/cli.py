@@ -46,6 +46,7 @@ from ray_fsdp_backend.trainer.spec import (
     build_spec,
     check_spec,
     load_yaml,
+    model_group,
     tensor_parallel_errors,
 )
 
@@ -190,7 +191,8 @@ def format_elastic_plan(spec: RunSpec, gpus_per_node: int) -> str:
         except ValueError as exc:
             lines.append(f"refused at this size: {exc}")
     if spec.train.global_batch_size is not None:
-        _, refused = elastic_world_sizes(spec.train.global_batch_size, low, high)
+        group = model_group(spec.distributed)  # a count must hold whole tp x cp groups
+        _, refused = elastic_world_sizes(spec.train.global_batch_size, low, high, group)
         if refused:
             lines.append(
                 f"\nwarning: train.global_batch_size={spec.train.global_batch_size} cannot be "

@@ -86,13 +86,40 @@ def divisors(n: int) -> list[int]:
 
 
 def elastic_world_sizes(
-    global_batch_size: int, min_workers: int, max_workers: int
+    global_batch_size: int | None, min_workers: int, max_workers: int, group: int = 1
 ) -> tuple[list[int], list[int]]:
-    """World sizes in ``[min_workers, max_workers]`` that can and cannot split
-    the global batch: ``(fits, refused)``."""
+    """World sizes in ``[min_workers, max_workers]`` an elastic run can and
+    cannot restart at: ``(fits, refused)``.
+
+    ``group`` is the model-parallel group (``tensor_parallel_size x
+    context_parallel_size``): its ranks sit inside one node, so a world size
+    fits only as a multiple of it (on nodes whose worker counts are multiples
+    of it; the backend refuses other nodes at start, naming their counts), and
+    the data-parallel size ``world / group`` must divide ``global_batch_size``
+    (None: any)."""
     sizes = range(min_workers, max_workers + 1)
-    fits = [n for n in sizes if global_batch_size % n == 0]
-    return fits, [n for n in sizes if global_batch_size % n]
+    fits = [n for n in sizes if _fits(n, global_batch_size, group)]
+    return fits, [n for n in sizes if n not in fits]
+
+
+def _fits(world: int, global_batch_size: int | None, group: int) -> bool:
+    if world % group:
+        return False
+    return global_batch_size is None or global_batch_size % (world // group) == 0
+
+
+def describe_group_sizes(min_workers: int, max_workers: int, group: int) -> str | None:
+    """Why ``[min_workers, max_workers]`` cannot hold a whole model-parallel
+    group of ``group`` ranks, naming the counts that would; None when it can."""
+    fits, _ = elastic_world_sizes(None, min_workers, max_workers, group)
+    if fits:
+        return None
+    nearest = sorted({group * max(1, min_workers // group), group * -(-max_workers // group)})
+    return (
+        f"scaling.num_workers=[{min_workers}, {max_workers}] holds no whole tensor x context "
+        f"parallel group of {group} ranks: worker counts must be multiples of {group} "
+        f"(e.g. {', '.join(map(str, nearest))})"
+    )
 
 
 def worker_range(num_workers: int | tuple[int, int] | list[int]) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from ray_fsdp_backend.backend import FSDPConfig
-from ray_fsdp_backend.elastic import elastic_world_sizes, worker_range
+from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
 from ray_fsdp_backend.trainer.model import ModelConfig
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
 
@@ -373,7 +373,10 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
             f"{dist.use_dmuon} disagree: Muon runs as DMuon on FSDP shards, "
             "so use optimizer muon with use_dmuon true, or adamw with use_dmuon false"
         )
-    errors += _batch_errors(train, built.get("scaling"))
+    group = model_group(dist)
+    errors += _group_errors(dist, built.get("scaling")) or _batch_errors(
+        train, built.get("scaling"), group
+    )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
     errors += tensor_parallel_errors(dist, model, data)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
@@ -440,9 +443,12 @@ def tensor_parallel_errors(dist, model, data) -> list[str]:
     return errors
 
 
-def _batch_errors(train: TrainOptions | None, scaling: ScalingOptions | None) -> list[str]:
-    """A global batch that no allowed worker count can split, or that
-    conflicts with ``grad_accum`` (derived when the global batch is set)."""
+def _batch_errors(
+    train: TrainOptions | None, scaling: ScalingOptions | None, group: int = 1
+) -> list[str]:
+    """A global batch that no allowed worker count can split (over its
+    data-parallel size: ``group`` ranks per tp x cp group), or that conflicts
+    with ``grad_accum`` (derived when the global batch is set)."""
     if train is None or train.global_batch_size is None:
         return []
     errors = []
@@ -453,10 +459,26 @@ def _batch_errors(train: TrainOptions | None, scaling: ScalingOptions | None) ->
         )
     if scaling is not None:
         low, high = worker_range(scaling.num_workers)
-        fits, _ = elastic_world_sizes(train.global_batch_size, low, high)
+        fits, _ = elastic_world_sizes(train.global_batch_size, low, high, group)
         if not fits:
+            per_group = f" divided by its tp x cp group of {group}" if group > 1 else ""
             errors.append(
                 f"train.global_batch_size={train.global_batch_size} is not a multiple of any "
-                f"worker count in scaling.num_workers={scaling.num_workers}"
+                f"worker count in scaling.num_workers={scaling.num_workers}{per_group}"
             )
     return errors
+
+
+def _group_errors(dist, scaling: ScalingOptions | None) -> list[str]:
+    """A worker range with no count that holds whole tp x cp groups."""
+    if dist is None or scaling is None:
+        return []
+    message = describe_group_sizes(*worker_range(scaling.num_workers), model_group(dist))
+    return [message] if message else []
+
+
+def model_group(dist) -> int:
+    """Ranks of one model-parallel (tp x cp) group; 1 without the section."""
+    if dist is None:
+        return 1
+    return dist.tensor_parallel_size * dist.context_parallel_size

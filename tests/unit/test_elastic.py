@@ -159,3 +159,45 @@ def test_scaling_config_is_elastic_only_for_a_range():
     doc = _doc()
     doc["scaling"]["elastic_resize_monitor_interval_s"] = 2.0
     assert scaling_config(build_spec(doc), use_gpu=False).elastic_resize_monitor_interval_s == 2.0
+
+
+def test_elastic_sizes_under_model_parallelism_keep_groups_whole():
+    from ray_fsdp_backend.elastic import describe_group_sizes
+
+    # tp 2: only even counts, and the dp size (count / 2) must split the batch of 12.
+    assert elastic_world_sizes(12, 2, 8, group=2) == ([2, 4, 6, 8], [3, 5, 7])
+    assert elastic_world_sizes(8, 2, 8, group=2) == ([2, 4, 8], [3, 5, 6, 7])
+    assert elastic_world_sizes(None, 3, 9, group=4) == ([4, 8], [3, 5, 6, 7, 9])
+    assert describe_group_sizes(4, 8, 4) is None
+    message = describe_group_sizes(5, 7, 4)
+    assert (
+        "scaling.num_workers=[5, 7] holds no whole tensor x context parallel group of 4"
+        in (message)
+        and "multiples of 4 (e.g. 4, 8)" in message
+    )
+
+
+def test_a_worker_range_without_whole_groups_is_refused_by_validate():
+    doc = _doc(global_batch_size=32)
+    doc["distributed"]["tensor_parallel_size"] = 2
+    doc["scaling"]["num_workers"] = [3, 3]
+    assert any("holds no whole tensor x context parallel group of 2" in e for e in check_spec(doc))
+    doc["scaling"]["num_workers"] = [2, 6]
+    assert not [e for e in check_spec(doc) if "global_batch_size" in e or "group" in e]
+    doc["train"]["global_batch_size"] = 3  # dp 1 fits (2 workers), so the range is accepted
+    assert not [e for e in check_spec(doc) if "global_batch_size=3" in e]
+    doc["scaling"]["num_workers"] = [4, 6]  # dp 2 or 3 at tp 2: only 6 workers split 3
+    assert not [e for e in check_spec(doc) if "global_batch_size=3" in e]
+    doc["scaling"]["num_workers"] = [4, 5]
+    assert any("divided by its tp x cp group of 2" in e for e in check_spec(doc))
+
+
+def test_plan_warns_of_counts_that_break_a_tp_group():
+    doc = _doc(global_batch_size=24)
+    assert "cannot be split over [9, 10, 11, 13, 14, 15, 16] workers" in format_elastic_plan(
+        build_spec(doc), gpus_per_node=8
+    )
+    doc["distributed"]["tensor_parallel_size"] = 2  # odd counts break a group; 16 is dp 8
+    assert "cannot be split over [9, 10, 11, 13, 14, 15] workers" in format_elastic_plan(
+        build_spec(doc), gpus_per_node=8
+    )
