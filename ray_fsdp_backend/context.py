@@ -17,6 +17,7 @@ from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.ring import ring_region
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard_sequence
 from ray_fsdp_backend.strategies.base import DistributionStrategy
+from ray_fsdp_backend.strategies.peft import peft_configs
 from ray_fsdp_backend.topology import CP_AXIS, TP_AXIS, MeshLayout, Topology
 
 if TYPE_CHECKING:
@@ -95,7 +96,9 @@ class TrainContext:
         becomes Ulysses (or ring) over the cp group and a transformers model's
         cache is turned off. See docs/parallelism.md. A ``peft`` model (frozen
         base, trainable adapters) wraps the same way; built on the meta device,
-        its adapters get PEFT's own initialisation (docs/lora.md)."""
+        its adapters get PEFT's own initialisation (docs/lora.md); one with
+        ``modules_to_save`` is refused (ValueError)."""
+        refuse_modules_to_save(model)
         return self.strategy.wrap(model, tp_plan=tp_plan)
 
     def loss_parallel(self):
@@ -298,6 +301,21 @@ class TrainContext:
         from ray_fsdp_backend.hf import load_pretrained
 
         return load_pretrained(model, path, filesystem=filesystem, key_map=key_map)
+
+
+def refuse_modules_to_save(model: nn.Module) -> None:
+    """Raise ValueError when a peft adapter of ``model`` sets
+    ``modules_to_save``: peft keeps trainable copies of those modules under
+    names that neither the export (merged or adapters-only) nor a loader
+    reads, so their training would be lost."""
+    for adapter, config in peft_configs(model).items():
+        saved = getattr(config, "modules_to_save", None)
+        if saved:
+            raise ValueError(
+                f"peft adapter {adapter!r}: modules_to_save={sorted(saved)!r} is not supported "
+                "(its trained copies would be missing from every export); leave it unset "
+                "and add those modules' linear layers to target_modules"
+            )
 
 
 def get_context() -> TrainContext:

@@ -81,10 +81,16 @@ def attention_heads(model: nn.Module) -> int:
 
 
 def disable_hf_cache(model: nn.Module) -> None:
-    """``use_cache=False`` on every transformers model in ``model``, so packed
-    rows get per-document masks from ``position_ids`` (see module docstring)."""
+    """Every transformers model in ``model`` runs with ``use_cache=False`` (a
+    forward pre-hook), so packed rows get per-document masks from
+    ``position_ids`` (see module docstring). Its config keeps the value it
+    had: an exported ``config.json`` is the model's own."""
     for hf_model in _hf_models(model):
-        hf_model.config.use_cache = False
+        hf_model.register_forward_pre_hook(_without_cache, with_kwargs=True)
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {**kwargs, "use_cache": False}
 
 
 def apply_context_parallel(

@@ -39,6 +39,7 @@ from ray_fsdp_backend.strategies.blocks import (
     has_meta_tensors,
     materialize_meta_module,
 )
+from ray_fsdp_backend.strategies.peft import is_peft_model
 from ray_fsdp_backend.topology import CP_AXIS
 
 if TYPE_CHECKING:
@@ -179,6 +180,13 @@ class FSDPStrategy(DistributionStrategy):
             resolve_tp_plan,
         )
 
+        if is_peft_model(model):
+            raise ValueError(
+                f"tensor_parallel_size={self.config.tensor_parallel_size}: "
+                f"{type(model).__name__} holds peft adapters, which the tensor-parallel plan "
+                "does not split; train adapters with tensor_parallel_size=1 (FSDP2 shards the "
+                "frozen base and the adapters)"
+            )
         if callable(getattr(model, "convert_to_fsdp", None)):
             raise ValueError(
                 f"tensor_parallel_size={self.config.tensor_parallel_size}: {type(model).__name__} "
