@@ -5,7 +5,8 @@ a small ``examples/cpu_tiny.yaml``: 3 AdamW steps, 2 accumulated
 micro-batches, packed rows (whose targets across a document boundary are
 -100, unevenly spread). One 2-rank spawn trains at tp 2 with loss parallel,
 tp 2 with ``compile: true``, cp 2 and dp 2 (each rank half the rows); one
-1-rank spawn trains the same spec in one process. Each step's logged loss
+1-rank spawn trains the same spec in one process, and again with the step's
+rows regrouped as 4 micro-batches of 2 (an elastic resize's ``grad_accum``). Each step's logged loss
 and pre-clip grad norm must match (relative 1e-4), and the tokens counted
 once per tp group (compile: its one step, as compiling costs minutes on 2
 CPU cores). The same spawn checks that ``ctx.wrap`` refuses a LoRA model at
@@ -82,9 +83,25 @@ def _all_layouts(rank, world):
     return {**results, "peft tp2": _peft_under_tp()}
 
 
+def _one_process(rank, world):
+    """The reference, and the same global batch as 4 micro-batches of 2 rows
+    (what an elastic resize's new ``grad_accum`` gives)."""
+    regrouped = ["train.micro_batch_size=2", "train.grad_accum=4"]
+    return _train(rank, world, {}), _train(rank, world, {}, regrouped)
+
+
 @pytest.fixture(scope="module")
-def reference():
-    return run_ranks(_train, 1, {})
+def one_process():
+    return run_ranks(_one_process, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(one_process):
+    return one_process[0]
+
+
+def test_regrouped_accumulation_trains_the_same_numbers(one_process):
+    _assert_matches(one_process[1], one_process[0])
 
 
 @pytest.fixture(scope="module")
