@@ -131,9 +131,10 @@ def apply_context_parallel(
 
 
 def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
-    """Valid targets of ``labels`` summed over ``group`` (one all-reduce):
-    the denominator that makes each rank's token-sum loss the mean over the
-    whole dp x cp batch. ``group=None``: no reduction (one process)."""
+    """Valid targets of ``labels`` summed over ``group`` (one all-reduce);
+    ``group=None``: no reduction (one process). The loss's divisor is
+    ``ctx.global_token_count``, which also divides by the ranks the
+    gradients are averaged over (docs/long-context.md, "The loss rule")."""
     count = count_valid_tokens(labels).to(torch.float32)
     if group is not None:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
