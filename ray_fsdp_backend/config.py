@@ -174,9 +174,9 @@ class FSDPSettings:
     just inside ``dp_shard``; cp x tp neighbouring ranks of one node). The
     ranks of one cp group read the same rows, each keeps ``seq / cp`` tokens
     of them (``ctx.shard_sequence``); FSDP2 shards over ``dp_shard`` x ``cp``
-    and *sums* gradients, so the loss is the token sum over the global token
-    count (``ctx.global_token_count``); DMuon's matrices get their gradients
-    from the same reduction. Needs ``use_fsdp``. See docs/long-context.md."""
+    and averages gradients over them, so the exact loss is the token sum over
+    ``ctx.global_token_count`` (docs/long-context.md, "The loss rule"); DMuon's
+    matrices get their gradients from the same reduction. Needs ``use_fsdp``."""
 
     context_parallel_backend: str = "auto"
     """``ulysses`` (all-to-all around attention: any device, any kernel,

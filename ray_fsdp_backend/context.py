@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -13,10 +14,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.context_parallel.apply import global_token_count
 from ray_fsdp_backend.context_parallel.ring import ring_region
-from ray_fsdp_backend.context_parallel.sequence import shard_sequence
+from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard_sequence
 from ray_fsdp_backend.strategies.base import DistributionStrategy
+from ray_fsdp_backend.strategies.peft import peft_configs
 from ray_fsdp_backend.topology import CP_AXIS, TP_AXIS, MeshLayout, Topology
 
 if TYPE_CHECKING:
@@ -95,7 +96,9 @@ class TrainContext:
         becomes Ulysses (or ring) over the cp group and a transformers model's
         cache is turned off. See docs/parallelism.md. A ``peft`` model (frozen
         base, trainable adapters) wraps the same way; built on the meta device,
-        its adapters get PEFT's own initialisation (docs/lora.md)."""
+        its adapters get PEFT's own initialisation (docs/lora.md); one with
+        ``modules_to_save`` is refused (ValueError)."""
+        refuse_modules_to_save(model)
         return self.strategy.wrap(model, tp_plan=tp_plan)
 
     def loss_parallel(self):
@@ -122,14 +125,28 @@ class TrainContext:
             return contextlib.nullcontext()
         return ring_region(self.mesh[CP_AXIS])
 
-    def global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
-        """Valid targets (not -100) of the whole dp x cp batch, from this rank's
-        ``labels`` as :meth:`shard_sequence` returned them (one all-reduce).
-        The loss ``token_sum / ctx.global_token_count(labels)`` is then the
-        mean over the global batch on every layout, since gradients are summed
-        over dp x cp under context parallelism (docs/long-context.md)."""
-        group = dist.group.WORLD if dist.is_initialized() else None
-        return global_token_count(labels, group) / self.tp_size  # tp ranks count alike
+    def global_token_count(self, labels: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """The divisor of the token-exact loss: the valid targets (not -100)
+        of the whole optimizer step over every data-parallel rank, divided by
+        the number of ranks the strategy averages gradients over (dp x cp).
+        ``labels``: this rank's labels as :meth:`shard_sequence` returned
+        them, or a list of every micro-batch's labels of the step under
+        gradient accumulation. One all-reduce.
+
+        Every strategy averages gradients over the dp x cp ranks (tp ranks
+        hold the same labels), so ``token_sum / ctx.global_token_count(labels)``
+        summed over the step's micro-batches has the gradient of the mean over
+        every valid token of the step, on every layout, and the mean of the
+        ranks' losses is that global mean (docs/long-context.md, "The loss
+        rule"). The step's token count itself is this times ``dp_size x cp_size``."""
+        parts = [labels] if isinstance(labels, torch.Tensor) else list(labels)
+        count = sum(count_valid_tokens(part) for part in parts).to(torch.float32)
+        if not dist.is_initialized():
+            return count.clamp(min=1.0)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        # Summed over every rank, each tp group's count appears tp times: the
+        # world size divides out tp and the dp x cp average at once.
+        return count.clamp(min=1.0) / dist.get_world_size()
 
     def clip_grad_norm(
         self,
@@ -284,6 +301,21 @@ class TrainContext:
         from ray_fsdp_backend.hf import load_pretrained
 
         return load_pretrained(model, path, filesystem=filesystem, key_map=key_map)
+
+
+def refuse_modules_to_save(model: nn.Module) -> None:
+    """Raise ValueError when a peft adapter of ``model`` sets
+    ``modules_to_save``: peft keeps trainable copies of those modules under
+    names that neither the export (merged or adapters-only) nor a loader
+    reads, so their training would be lost."""
+    for adapter, config in peft_configs(model).items():
+        saved = getattr(config, "modules_to_save", None)
+        if saved:
+            raise ValueError(
+                f"peft adapter {adapter!r}: modules_to_save={sorted(saved)!r} is not supported "
+                "(its trained copies would be missing from every export); leave it unset "
+                "and add those modules' linear layers to target_modules"
+            )
 
 
 def get_context() -> TrainContext:

@@ -81,10 +81,16 @@ def attention_heads(model: nn.Module) -> int:
 
 
 def disable_hf_cache(model: nn.Module) -> None:
-    """``use_cache=False`` on every transformers model in ``model``, so packed
-    rows get per-document masks from ``position_ids`` (see module docstring)."""
+    """Every transformers model in ``model`` runs with ``use_cache=False`` (a
+    forward pre-hook), so packed rows get per-document masks from
+    ``position_ids`` (see module docstring). Its config keeps the value it
+    had: an exported ``config.json`` is the model's own."""
     for hf_model in _hf_models(model):
-        hf_model.config.use_cache = False
+        hf_model.register_forward_pre_hook(_without_cache, with_kwargs=True)
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {**kwargs, "use_cache": False}
 
 
 def apply_context_parallel(
@@ -125,9 +131,10 @@ def apply_context_parallel(
 
 
 def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
-    """Valid targets of ``labels`` summed over ``group`` (one all-reduce):
-    the denominator that makes each rank's token-sum loss the mean over the
-    whole dp x cp batch. ``group=None``: no reduction (one process)."""
+    """Valid targets of ``labels`` summed over ``group`` (one all-reduce);
+    ``group=None``: no reduction (one process). The loss's divisor is
+    ``ctx.global_token_count``, which also divides by the ranks the
+    gradients are averaged over (docs/long-context.md, "The loss rule")."""
     count = count_valid_tokens(labels).to(torch.float32)
     if group is not None:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)

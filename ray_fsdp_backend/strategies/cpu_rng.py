@@ -1,4 +1,4 @@
-"""Random initialisation of sharded parameters on CPU meshes, equal to one process's.
+"""Random initialisation of sharded parameters held on the CPU, equal to one process's.
 
 On GPU meshes torch's offset-based RNG tracker gives each shard of a DTensor
 its own part of one random stream. CPU meshes have no such tracker in torch
@@ -7,15 +7,17 @@ for them and warns): a random fill of a DTensor fills each rank's local
 shard from that rank's own CPU generator, so ranks seeded alike give every
 shard the same values, and a weight sharded over 2 ranks starts with two
 equal halves, a model no single process would build, that changes with the
-world size.
+world size. A GPU mesh under ``fsdp_cpu_offload`` materialises its shards on
+the CPU, where the tracker (which steps the GPU generator) does not reach:
+the same equal halves, and LoRA's ``lora_A`` with duplicate rows.
 
-:func:`single_process_rng_on_cpu_meshes` makes a random fill of a CPU-mesh
-DTensor fill a full-size tensor from the rank's generator and keep this
-rank's part of it. Every rank draws what one process would, in the same
-order, so the sharded model equals the one-process model from the same
-seed, at any world size and layout, with no communication. It costs one
-full-size temporary per parameter while it is filled: nothing for the CPU
-models this path serves (GPU meshes never enter it).
+:func:`single_process_rng_on_cpu_meshes` makes a random fill of a DTensor
+whose shard is on the CPU fill a full-size tensor from the rank's CPU
+generator and keep this rank's part of it. Every rank draws what one process
+would, in the same order, so the sharded model equals the one-process model
+from the same seed, at any world size and layout, with no communication. It
+costs one full-size temporary per parameter while it is filled (on a GPU
+mesh, also on the GPU for the split).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ _RANDOM_FILLS = frozenset(
 
 
 class _FullDrawMode(TorchDispatchMode):
-    """Random in-place fills of CPU-mesh DTensors draw the full tensor.
+    """Random in-place fills of DTensors whose shard lives on the CPU (a CPU
+    mesh, or a GPU mesh whose shards FSDP2 offloads) draw the full tensor.
 
     A dispatch mode sees each fill as one aten op (``nn.init`` functions
     reach it through ``Tensor.uniform_`` and the like) before DTensor does.
@@ -55,14 +58,15 @@ class _FullDrawMode(TorchDispatchMode):
         if (
             func.overloadpacket not in _RANDOM_FILLS
             or not isinstance(target, DTensor)
-            or target.device_mesh.device_type != "cpu"
+            or target.to_local().device.type != "cpu"
         ):
             return func(*args, **kwargs)
         local = target.to_local()
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
         func(full, *args[1:], **kwargs)
         # src_data_rank=None: every rank holds the same full tensor, so each
-        # keeps its own part without communication.
+        # keeps its own part without communication (on a GPU mesh the split
+        # runs on the mesh's device, one parameter at a time).
         mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         local.copy_(mine.to_local())
         return target
@@ -70,11 +74,13 @@ class _FullDrawMode(TorchDispatchMode):
 
 @contextlib.contextmanager
 def single_process_rng_on_cpu_meshes(device: torch.device | str) -> Iterator[None]:
-    """Within it, random fills of CPU-mesh DTensors give the values one
-    process gives from the same generator state (see the module docstring).
-    Entered only when ``device``, where parameters are materialised, is the
-    CPU; even then DTensors of GPU meshes (CPU offload) pass through to
-    torch's RNG tracker."""
+    """Within it, random fills of DTensors with CPU shards give the values
+    one process gives from the CPU generator's state (see the module
+    docstring). Entered only when ``device``, where parameters are
+    materialised, is the CPU: a CPU mesh, or a GPU mesh under
+    ``fsdp_cpu_offload``, whose CPU shards torch's RNG tracker (which steps
+    the GPU generator) would fill from the CPU generator alike on every
+    rank."""
     if torch.device(device).type != "cpu":
         yield
         return

@@ -39,6 +39,7 @@ from ray_fsdp_backend.strategies.blocks import (
     has_meta_tensors,
     materialize_meta_module,
 )
+from ray_fsdp_backend.strategies.peft import is_peft_model
 from ray_fsdp_backend.topology import CP_AXIS
 
 if TYPE_CHECKING:
@@ -114,17 +115,6 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def apply_gradient_sum(model: nn.Module) -> None:
-    """Sum gradients over the FSDP mesh instead of averaging them: for a loss
-    that each rank already divides by the whole batch's token count
-    (context parallelism, ``ctx.global_token_count``). A divide factor of 1
-    reduces with ``PREMUL_SUM``, which gloo lacks (torch 2.13): forcing plain
-    ``SUM`` gives the same result on every backend."""
-    for module in fsdp_modules(model):
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)
-
-
 @contextmanager
 def no_gradient_sync(model: nn.Module, *, unsharded: bool) -> Iterator[None]:
     """Defer gradient reduction on every FSDP module of ``model`` until the
@@ -193,6 +183,13 @@ class FSDPStrategy(DistributionStrategy):
             resolve_tp_plan,
         )
 
+        if is_peft_model(model):
+            raise ValueError(
+                f"tensor_parallel_size={self.config.tensor_parallel_size}: "
+                f"{type(model).__name__} holds peft adapters, which the tensor-parallel plan "
+                "does not split; train adapters with tensor_parallel_size=1 (FSDP2 shards the "
+                "frozen base and the adapters)"
+            )
         if callable(getattr(model, "convert_to_fsdp", None)):
             raise ValueError(
                 f"tensor_parallel_size={self.config.tensor_parallel_size}: {type(model).__name__} "
@@ -226,8 +223,7 @@ class FSDPStrategy(DistributionStrategy):
         (the seed's adapter interface), else with the per-block policy; then
         materialise it if it was built on the meta device."""
         policy = resolve_fsdp_policy(self.config, self.device)
-        context_parallel = self.config.context_parallel_size > 1
-        if context_parallel:
+        if self.config.context_parallel_size > 1:
             self.apply_context_parallel(model)
         if self.config.compiles_on(self.device.type):
             blocks = find_blocks(model, self.config.fsdp_block_classes)
@@ -250,8 +246,6 @@ class FSDPStrategy(DistributionStrategy):
             if not has_meta_tensors(model):
                 model.to(self.device)
             model = apply_fsdp(model, blocks, self.dp_mesh, policy)
-        if context_parallel:
-            apply_gradient_sum(model)
         if has_meta_tensors(model):
             # Offloaded shards live on the host; FSDP2 moves them per use.
             param_device = "cpu" if policy.offloads else self.device

@@ -212,8 +212,8 @@ def apply_tensor_parallel(
     if not matched:
         raise ValueError(
             f"the tensor-parallel plan matched no module of {type(model).__name__} "
-            f"(patterns {sorted(plan)[:4]}...): nothing would be split. For a wrapped model "
-            "(e.g. peft) pass ctx.wrap(model, tp_plan=...) with its module names"
+            f"(patterns {sorted(plan)[:4]}...): nothing would be split. For a model of your "
+            "own, pass ctx.wrap(model, tp_plan=...) with its module names"
         )
     check_tp_divisibility(model, matched, tp_mesh.size())
     ties = _tied_parameters(model)

@@ -440,6 +440,12 @@ def tensor_parallel_errors(dist, model, data) -> list[str]:
                 f"distributed.tensor_parallel_size={tp} does not divide {', '.join(bad)}: "
                 "every split dimension and head count must be a multiple of the tp size"
             )
+    if isinstance(model, PretrainedModelConfig) and model.lora is not None:
+        errors.append(
+            f"model.lora with distributed.tensor_parallel_size={tp}: the tensor-parallel plan "
+            "does not split LoRA adapters; train LoRA with tensor_parallel_size 1 (FSDP2 "
+            "shards the frozen base and the adapters over every rank)"
+        )
     return errors
 
 

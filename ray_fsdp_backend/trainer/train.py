@@ -34,9 +34,9 @@ import ray.train
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, show_ray_report_lines
@@ -53,6 +53,7 @@ from ray_fsdp_backend.trainer.pretrained import (
     build_pretrained,
     tokenize_corpus,
 )
+from ray_fsdp_backend.trainer.seeding import seed_step
 from ray_fsdp_backend.trainer.spec import RunSpec, TrainOptions, build_spec
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a
@@ -105,6 +106,7 @@ def run_training(
     read on the host."""
     run = setup_run(ctx, spec, report=report, resume=resume)
     for step in range(run.start_step + 1, spec.train.steps + 1):
+        seed_step(ctx, spec.train.seed, step)
         result = train_step(ctx, run.model, run.optimizer, run.batches, spec, run.meter)
         run.skipped += result.skipped
         run.schedule.step()
@@ -231,7 +233,8 @@ class StepResult(NamedTuple):
     """One optimizer step's scalars, 0-d tensors left on the device."""
 
     loss: torch.Tensor
-    """This rank's mean loss over its micro-batches."""
+    """This rank's share of the step's loss: averaged over the ranks it is
+    the mean over every valid token of the step (the loss rule)."""
     grad_norm: torch.Tensor
     """The global pre-clip gradient norm (equal on every rank)."""
     skipped: torch.Tensor
@@ -242,13 +245,22 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     """One optimizer step over ``grad_accum`` micro-batches, with no host
     synchronisation: a step whose gradient norm is not finite is skipped on
     the device (:func:`~ray_fsdp_backend.step_guard.step_if_finite`).
-    ``meter`` (a ``StepMeter``) counts the tokens trained."""
+    ``meter`` (a ``StepMeter``) counts the tokens trained, once per tp group.
+
+    The loss is the token-exact rule of docs/long-context.md: each
+    micro-batch's token sum over ``ctx.global_token_count`` of the whole
+    step's labels, so the gradient is that of the mean over every valid
+    token of the step whatever the layout, and an elastic resize that
+    changes ``grad_accum`` does not change the weighting."""
     accum = spec.train.grad_accum
+    micro_batches = [
+        ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device)) for _ in range(accum)
+    ]
+    count = ctx.global_token_count([batch["targets"] for batch in micro_batches])
     total = torch.zeros((), device=ctx.device)
-    for micro in range(accum):
-        batch = ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device))
+    for micro, batch in enumerate(micro_batches):
         inputs, targets = batch["input_ids"], batch["targets"]
-        if meter is not None:
+        if meter is not None and ctx.tp_rank == 0:  # a tp group trains one copy of the rows
             meter.count_tokens(inputs.numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
@@ -258,17 +270,21 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
             token_sum = F.cross_entropy(
                 logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
             )
-            loss = token_sum / loss_denominator(ctx, targets) / accum
+            loss = token_sum / count
             loss.backward()
-        total += loss.detach()
-    if ctx.cp_size > 1:  # each rank holds a part of the global mean: scale for the logged mean
-        total *= ctx.world_size // ctx.tp_size
+        total += local_value(loss.detach())
     # max_grad_norm 0 (or null): no clipping, the norm is still measured.
     grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
     # Every rank sees the same global norm, so all skip together.
     skipped = step_if_finite(optimizer, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(total, grad_norm, skipped)
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``value``: under ``loss_parallel`` the loss is a
+    DTensor replicated over the tp group, which a plain tensor cannot add."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -295,16 +311,6 @@ def as_batch(batch, device: torch.device) -> dict[str, torch.Tensor]:
     if not isinstance(batch, dict):
         batch = {"input_ids": batch[0], "targets": batch[1]}
     return {key: to_device(value, device) for key, value in batch.items()}
-
-
-def loss_denominator(ctx, targets: torch.Tensor) -> torch.Tensor:
-    """What the token-sum loss is divided by. Under context parallelism
-    gradients are *summed* over dp x cp, so the whole batch's valid tokens
-    (one all-reduce); otherwise FSDP/DDP average over the dp ranks, so this
-    rank's own count."""
-    if ctx.cp_size > 1:
-        return ctx.global_token_count(targets)
-    return count_valid_tokens(targets).clamp(min=1)
 
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:

@@ -32,7 +32,6 @@ from ray_fsdp_backend.context_parallel import (
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
 from ray_fsdp_backend.hf.models import build_causal_lm
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
-from ray_fsdp_backend.trainer.train import loss_denominator
 from tests.dist.harness import run_ranks
 
 SEQ = 32
@@ -132,9 +131,9 @@ def _forward(model, batch):
 def _train(
     model, rows, ctx: TrainContext | None = None, *, steps: int = STEPS, opt=None
 ) -> tuple[list[float], list[float]]:
-    """AdamW steps with the trainer's loss (token sum over the global token
-    count under cp, the rank's own count without): each step's global loss
-    and pre-clip grad norm. ``ctx=None``: one process."""
+    """AdamW steps with the loss rule (token sum over
+    ``ctx.global_token_count``): each step's global loss and pre-clip grad
+    norm. ``ctx=None``: one process."""
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
     if ctx is None:
         batch = shard_sequence(rows, 0, 1)
@@ -143,7 +142,7 @@ def _train(
         per = rows["input_ids"].shape[0] // ctx.dp_size
         mine = {k: v[ctx.dp_rank * per : (ctx.dp_rank + 1) * per] for k, v in rows.items()}
         batch = ctx.shard_sequence(mine)
-        count = loss_denominator(ctx, batch["labels"])
+        count = ctx.global_token_count(batch["labels"])
     losses, norms = [], []
     for _ in range(steps):
         loss = _token_loss(_forward(model, batch), batch["labels"], count)
@@ -157,8 +156,7 @@ def _train(
         total = loss.detach().clone()
         if ctx is not None:
             dist.all_reduce(total)
-            # cp: each rank holds a share of one mean (tp ranks alike); else per-rank means
-            total /= ctx.tp_size if ctx.cp_size > 1 else ctx.world_size
+            total /= ctx.world_size  # the mean of the ranks' shares is the global mean
         losses.append(float(total))
     return losses, norms
 

@@ -5,8 +5,8 @@ Two runs of the command as a user types it (4 CPU workers each):
 ``dp_shard 2 x cp 2`` with micro-batch 2 (each row split over a cp pair) and
 ``dp_shard 4 x cp 1`` with micro-batch 1 (a whole row per rank) read the same
 4 rows per step, so their losses and gradient norms must agree step by step.
-Rows are unpacked here: with packing, a row's ignored boundary targets make
-the per-rank mean of the cp 1 run a different (equally valid) normalisation.
+Rows are unpacked here; tests/dist/test_trainer_loop.py runs the trainer's
+loop on packed rows (ignored boundary targets) at cp 2 and dp 2.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ def test_packed_transformers_rows_equal_documents_one_by_one_after_cache_off():
         packed = run(rows["input_ids"], position_ids=rows["position_ids"])
     assert float((trapped - alone).abs().max()) > 1e-2  # the trap is real here
     assert float((packed - alone).abs().max()) < 1e-5
+    assert model.config.use_cache is True  # an export writes the model's own config
 
 
 def test_config_refuses_bad_context_parallel_layouts_by_key():
