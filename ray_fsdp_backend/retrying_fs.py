@@ -57,6 +57,8 @@ from ray_fsdp_backend.retry import RetryPolicy, call_with_retries, default_polic
 
 SPOOL_MEMORY_BYTES = 16 * 1024 * 1024
 """A staged write moves from memory to a temporary file above this size."""
+UPLOAD_WINDOW_BYTES = 64 * 1024 * 1024
+"""At most this many bytes of a staged upload are in flight (queued parts)."""
 _COPY_CHUNK = 8 * 1024 * 1024
 
 
@@ -354,5 +356,13 @@ class _StagedOutput(WholeFile):
     def _upload(self) -> None:
         self._spool.seek(0)
         with self._handler.fs.open_output_stream(self._path, metadata=self._metadata) as out:
+            pending = 0
             while chunk := self._spool.read(_COPY_CHUNK):
                 out.write(chunk)
+                pending += len(chunk)
+                if pending >= UPLOAD_WINDOW_BYTES:
+                    # pyarrow's S3 stream uploads parts in the background and
+                    # queues them without bound when the store is slower than
+                    # the spool; flush waits for them.
+                    out.flush()
+                    pending = 0

@@ -7,7 +7,9 @@
   expert parameters.
 - :mod:`.load`: :func:`load_pretrained`, checks before any weight is read.
 - :mod:`.export`, :mod:`.writer`: :func:`export_model`, full weights in
-  Hugging Face layout (or one safetensors file) from sharded state.
+  Hugging Face layout (or one safetensors file) from sharded state;
+  :mod:`.target`: what an export refuses (a non-empty target without
+  ``overwrite``, one not every rank sees) and checks before its index.
 - :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
 """
 

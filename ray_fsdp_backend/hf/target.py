@@ -83,7 +83,7 @@ def check_shared(fs: pafs.FileSystem, root: str, uri: str) -> None:
     marker = posixpath.join(root, f"{_MARKER}{rank}")
     error = None
     try:
-        write_bytes(fs, marker, str(rank).encode())
+        write_bytes(fs, marker, b"")
     except Exception as exc:
         error = exc
     raise_if_any_failed(error, f"writing a marker into export target {uri!r}")
