@@ -16,5 +16,6 @@
 from ray_fsdp_backend.hf.export import export_model
 from ray_fsdp_backend.hf.load import load_pretrained
 from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
+from ray_fsdp_backend.hf.target import ExportTargetError
 
-__all__ = ["PretrainedCheckpointError", "export_model", "load_pretrained"]
+__all__ = ["ExportTargetError", "PretrainedCheckpointError", "export_model", "load_pretrained"]

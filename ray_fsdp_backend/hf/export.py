@@ -168,15 +168,20 @@ EXPORTERS: dict[str, Exporter] = {
 }
 
 
+def _sizes(state: dict, dtype: torch.dtype) -> dict[str, int]:
+    """Key -> bytes as exported."""
+    return {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+
+
 def _plan(state: dict, dtype: torch.dtype, max_bytes: int) -> list[FilePlan]:
-    sizes = {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+    sizes = _sizes(state, dtype)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return plan_export(sizes, max_bytes, world)
 
 
 def _expected(state: dict, files: list[FilePlan], dtype: torch.dtype) -> dict[str, tuple[int, int]]:
     """File name -> (bytes, writing rank) of the plan."""
-    sizes = {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+    sizes = _sizes(state, dtype)
     return {
         f.name: (len(file_header(state, f, dtype)) + sum(sizes[k] for k in f.keys), f.owner)
         for f in files
@@ -184,7 +189,7 @@ def _expected(state: dict, files: list[FilePlan], dtype: torch.dtype) -> dict[st
 
 
 def _index(state: dict, files: list[FilePlan], dtype: torch.dtype) -> bytes:
-    sizes = {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+    sizes = _sizes(state, dtype)
     weight_map = {k: f.name for f in files for k in f.keys}
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     return json.dumps(index, indent=2, sort_keys=True).encode()
