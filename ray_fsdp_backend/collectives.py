@@ -1,13 +1,19 @@
 """Small collectives the checkpoint and Hugging Face layers share.
 
-One helper today: read something once (on rank 0) and give every rank the
-same answer, or the same error, so no rank waits on a collective that
-another abandoned.
+Read something once (on rank 0) and give every rank the same answer, or the
+same error; agree on whether every rank's part of a step succeeded. Either
+way no rank waits on a collective that another abandoned.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+
+
+class RankFailedError(RuntimeError):
+    """Raised on every rank when the part of one or more ranks failed;
+    the message names each failing rank and its error."""
 
 
 def broadcast_from_rank0(compute):
@@ -28,3 +34,31 @@ def broadcast_from_rank0(compute):
     if kind == "error":
         raise value
     return value
+
+
+def raise_if_any_failed(error: BaseException | None, what: str) -> None:
+    """Collective: every rank passes the error its part of ``what`` raised
+    (None: it succeeded). One all-reduce of one int; when some rank failed,
+    their messages are gathered and every rank raises
+    :class:`RankFailedError` naming them (chained to its own error, if any).
+    Without a process group, ``error`` itself is raised."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if _nccl_only() else None
+    failed = torch.tensor([int(error is not None)], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if not failed.item():
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, mine)
+    named = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    raise RankFailedError(f"{what} failed on {named}") from error
+
+
+def _nccl_only() -> bool:
+    """Whether the default group carries CUDA tensors only (nccl without a
+    gloo part for CPU tensors)."""
+    return dist.get_backend() == "nccl"

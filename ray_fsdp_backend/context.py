@@ -273,6 +273,7 @@ class TrainContext:
         format: str = "hf",
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
+        overwrite: bool = False,
     ) -> str:
         """Write the full weights: by default a Hugging Face directory (sharded
         safetensors, index, ``config.json``, the tokenizer files of the
@@ -280,7 +281,9 @@ class TrainContext:
         each rank writing its files straight into the store; a path ending in
         ``.safetensors`` (or ``format="safetensors"``) gives one file from rank
         0. ``path`` is local, a URI (``s3://``, ``gs://``) or a path on
-        ``filesystem``. Every rank calls it; returns ``path``. See
+        ``filesystem``. A non-empty target is refused unless ``overwrite=True``
+        (which replaces its weights); the index is written only once every
+        file is verified. Every rank calls it; returns ``path``. See
         :func:`ray_fsdp_backend.hf.export_model`."""
         from ray_fsdp_backend.hf import export_model
 
@@ -291,6 +294,7 @@ class TrainContext:
             format=format,
             max_shard_size=max_shard_size,
             dtype=dtype,
+            overwrite=overwrite,
         )
 
     def load_pretrained(self, model: nn.Module, path: str, *, filesystem=None, key_map=None):

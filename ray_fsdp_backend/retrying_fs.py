@@ -20,20 +20,34 @@ our own layer and not the S3 client's retry strategy.
 - Writes are staged: the bytes go to a spool (memory up to
   :data:`SPOOL_MEMORY_BYTES`, then an anonymous temporary file, which leaves
   nothing behind even if the process dies) and are uploaded whole when the
-  file is closed; a retry uploads the whole object again. An object store
-  makes an object visible only when its upload completes (a single put, or
-  the final ``CompleteMultipartUpload``, which ``pyarrow`` does not send
-  after a failed part), so an object is whole or absent, never a torn
-  prefix. The close, and with it the upload, happens in the thread that
-  writes: DCP's background thread for asynchronous saves.
+  write is committed; a retry uploads the whole object again. An object
+  store makes an object visible only when its upload completes (a single
+  put, or the final ``CompleteMultipartUpload``, which ``pyarrow`` does not
+  send after a failed part), so an object is whole or absent, never a torn
+  prefix. A write whose block raised uploads nothing: :func:`open_whole`
+  commits on success and aborts on an exception; a plain
+  ``with fs.open_output_stream(...)`` block does the same (its close sees
+  the exception raised since the file was opened). The upload happens in
+  the thread that writes: DCP's background thread for asynchronous saves.
+  Local disk per open file: the file's size above the spool's memory part;
+  one file is open per writer at a time (the Hugging Face exporter writes
+  its files one after another, DCP one file per rank per save), so a rank
+  needs at most its largest file. ``pyarrow`` 26 cannot abort a streamed
+  multipart upload from Python (its stream completes the upload when
+  closed or collected), so streaming would publish a torn object when the
+  writer fails: see ``benchmarks/upload_stream.py`` for what staging costs.
 
 Local filesystems are returned unwrapped: their errors (a full disk, a
-missing directory) are not transient.
+missing directory) are not transient. :func:`open_whole` writes a local file
+as ``NAME.tmp``, fsynced and renamed into place, removed if the block raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import sys
 import tempfile
 
 import pyarrow as pa
@@ -43,6 +57,8 @@ from ray_fsdp_backend.retry import RetryPolicy, call_with_retries, default_polic
 
 SPOOL_MEMORY_BYTES = 16 * 1024 * 1024
 """A staged write moves from memory to a temporary file above this size."""
+UPLOAD_WINDOW_BYTES = 64 * 1024 * 1024
+"""At most this many bytes of a staged upload are in flight (queued parts)."""
 _COPY_CHUNK = 8 * 1024 * 1024
 
 
@@ -53,6 +69,20 @@ def with_retries(fs: pafs.FileSystem, policy: RetryPolicy | None = None) -> pafs
     if isinstance(fs, pafs.LocalFileSystem) or unwrap(fs) is not fs:
         return fs
     return pafs.PyFileSystem(RetryingHandler(fs, policy or default_policy()))
+
+
+def open_whole(fs: pafs.FileSystem, path: str) -> WholeFile:
+    """A new file at ``path`` on ``fs`` that appears whole or not at all.
+
+    Use it as a context manager (the file is committed when the block
+    completes and aborted when it raises) or call ``commit()`` / ``abort()``.
+    On a local filesystem the bytes go to ``path.tmp``, fsynced and renamed
+    into place on commit, deleted on abort; elsewhere they are staged and
+    uploaded on commit (retried within the budget of ``fs``'s
+    :func:`with_retries`), and an abort uploads nothing."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return _LocalWhole(path)
+    return _StagedOutput(with_retries(fs).handler, path, None)
 
 
 def unwrap(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -221,15 +251,87 @@ class _RetryingInput(io.RawIOBase):
         super().close()
 
 
-class _StagedOutput(io.RawIOBase):
-    """Bytes spooled locally, uploaded whole (and retried whole) on close."""
+class WholeFile(io.RawIOBase):
+    """A file written whole or not at all (see :func:`open_whole`):
+    ``commit()`` publishes it, ``abort()`` drops it. ``close()`` aborts when
+    an exception raised since the file was opened is being handled (the
+    block that wrote it failed), and commits otherwise."""
 
-    def __init__(self, handler: RetryingHandler, path: str, metadata):
-        self._handler, self._path, self._metadata = handler, path, metadata
-        self._spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)
+    def __init__(self):
+        super().__init__()
+        self._context = sys.exception()  # one already being handled is not the block's
 
     def writable(self):
         return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        (self.abort if exc is not None else self.commit)()
+        return False
+
+    def close(self):
+        if self.closed:
+            return
+        failing = sys.exception()
+        (self.abort if failing is not None and failing is not self._context else self.commit)()
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class _LocalWhole(WholeFile):
+    """A local file written as ``path.tmp``, fsynced and renamed on commit."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._path, self._tmp = path, f"{path}.tmp"
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit or abort
+
+    def write(self, data):
+        return self._file.write(data)
+
+    def tell(self):
+        return self._file.tell()
+
+    def fileno(self):
+        return self._file.fileno()
+
+    def flush(self):
+        if not self._file.closed:
+            self._file.flush()
+
+    def commit(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self._path)
+        finally:
+            self.abort()  # after a failed rename: the temporary file goes
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+        io.RawIOBase.close(self)
+
+
+class _StagedOutput(WholeFile):
+    """Bytes spooled locally, uploaded whole (and retried whole) on commit."""
+
+    def __init__(self, handler: RetryingHandler, path: str, metadata):
+        super().__init__()
+        self._handler, self._path, self._metadata = handler, path, metadata
+        self._spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)
 
     def write(self, data):
         return self._spool.write(data)
@@ -237,17 +339,30 @@ class _StagedOutput(io.RawIOBase):
     def tell(self):
         return self._spool.tell()
 
-    def close(self):
+    def commit(self) -> None:
         if self.closed:
             return
         try:
             self._handler.retry(self._upload, f"writing {self._path}")
         finally:
-            self._spool.close()
-            super().close()
+            self.abort()
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self._spool.close()
+        io.RawIOBase.close(self)
 
     def _upload(self) -> None:
         self._spool.seek(0)
         with self._handler.fs.open_output_stream(self._path, metadata=self._metadata) as out:
+            pending = 0
             while chunk := self._spool.read(_COPY_CHUNK):
                 out.write(chunk)
+                pending += len(chunk)
+                if pending >= UPLOAD_WINDOW_BYTES:
+                    # pyarrow's S3 stream uploads parts in the background and
+                    # queues them without bound when the store is slower than
+                    # the spool; flush waits for them.
+                    out.flush()
+                    pending = 0

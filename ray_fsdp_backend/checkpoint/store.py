@@ -17,6 +17,7 @@ straight on that filesystem, with no local copy of the checkpoint:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -27,7 +28,7 @@ import pyarrow.fs as pafs
 
 from ray_fsdp_backend.checkpoint.layout import MARKER_NAME, parse_seq
 from ray_fsdp_backend.filesystem import compute_spans, to_fsspec
-from ray_fsdp_backend.retrying_fs import unwrap, with_retries
+from ray_fsdp_backend.retrying_fs import open_whole, unwrap, with_retries
 
 
 @dataclass(frozen=True)
@@ -98,20 +99,15 @@ class CheckpointStore:
 
     def write_file(self, relative: str, data: bytes) -> None:
         """Write ``data`` at ``root/relative``, durably and whole: locally a
-        fsynced temporary file renamed into place, on object storage one put."""
+        fsynced temporary file renamed into place, on object storage one put
+        (:func:`~ray_fsdp_backend.retrying_fs.open_whole`)."""
         final = f"{self.root}/{relative}"
-        if not self.in_place:
+        if self.in_place:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+        else:
             self.fs.create_dir(final.rsplit("/", 1)[0])  # hierarchical filesystems need it
-            with self.fs.open_output_stream(final) as f:
-                f.write(data)
-            return
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = f"{final}.tmp"
-        with open(tmp, "wb") as f:
+        with open_whole(self.fs, final) as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
 
     def read_file(self, relative: str) -> bytes:
         """The bytes at ``root/relative`` (FileNotFoundError when absent)."""
@@ -134,17 +130,40 @@ class CheckpointStore:
 
 def dcp_writer(store: CheckpointStore, name: str):
     """A DCP storage writer that puts this rank's files straight into
-    checkpoint ``name`` of ``store``."""
+    checkpoint ``name`` of ``store``, each file whole or absent
+    (:func:`~ray_fsdp_backend.retrying_fs.open_whole`): a write that raises
+    leaves neither a partial object nor a temporary file."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     if store.in_place:
         os.makedirs(store.path(name), exist_ok=True)
-        return FileSystemWriter(store.path(name))
+        writer = FileSystemWriter(store.path(name))
+        writer.fs = _whole_writes(type(writer.fs), pafs.LocalFileSystem())()
+        return writer
     # fsync does not exist on object storage; a closed upload is durable.
     writer = FsspecWriter(store.path(name), sync_files=False)
     writer.fs = _fsspec_view(store)
     return writer
+
+
+def _whole_writes(base: type, fs: pafs.FileSystem) -> type:
+    """DCP's filesystem adapter ``base`` whose streams opened for writing
+    are :func:`~ray_fsdp_backend.retrying_fs.open_whole` files of ``fs``
+    (DCP's own open a file in place, or upload what was written when the
+    block raised)."""
+
+    class WholeWrites(base):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with open_whole(fs, os.fspath(path)) as stream:
+                yield stream
+
+    return WholeWrites
 
 
 def dcp_reader(store: CheckpointStore, name: str):
@@ -165,7 +184,7 @@ def _fsspec_view(store: CheckpointStore):
     credentials)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
-    view = FileSystem()
+    view = _whole_writes(FileSystem, store.fs)()
     view.fs = to_fsspec(store.fs)
     return view
 

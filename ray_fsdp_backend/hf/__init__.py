@@ -7,12 +7,15 @@
   expert parameters.
 - :mod:`.load`: :func:`load_pretrained`, checks before any weight is read.
 - :mod:`.export`, :mod:`.writer`: :func:`export_model`, full weights in
-  Hugging Face layout (or one safetensors file) from sharded state.
+  Hugging Face layout (or one safetensors file) from sharded state;
+  :mod:`.target`: what an export refuses (a non-empty target without
+  ``overwrite``, one not every rank sees) and checks before its index.
 - :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
 """
 
 from ray_fsdp_backend.hf.export import export_model
 from ray_fsdp_backend.hf.load import load_pretrained
 from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
+from ray_fsdp_backend.hf.target import ExportTargetError
 
-__all__ = ["PretrainedCheckpointError", "export_model", "load_pretrained"]
+__all__ = ["ExportTargetError", "PretrainedCheckpointError", "export_model", "load_pretrained"]

@@ -23,15 +23,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from ray_fsdp_backend.collectives import broadcast_from_rank0
 from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.keys import export_keys
 from ray_fsdp_backend.hf.load import loaded_from
 from ray_fsdp_backend.hf.peft_export import export_peft, merge_adapters
 from ray_fsdp_backend.hf.reader import INDEX_NAME, is_metadata_file
+from ray_fsdp_backend.hf.target import check_shared, check_target, remove_stale, verify_files
 from ray_fsdp_backend.hf.writer import (
     FilePlan,
     barrier,
     export_dtype,
+    file_header,
     parse_size,
     plan_export,
     write_bytes,
@@ -52,6 +55,7 @@ def export_model(
     format: str = "hf",
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Write the full weights of ``model`` (FSDP2, HSDP, DDP or plain) to ``path``.
 
@@ -74,9 +78,22 @@ def export_model(
     every state key under its own name (tied weights repeated).
     Collective: every rank calls it; returns ``path`` once complete.
 
+    Whole or refused (:mod:`.target`): a non-empty target is refused unless
+    ``overwrite=True``, which deletes the old index first and, before the
+    new index is published, every old weight file (``*.safetensors``,
+    ``*.bin``, ``*.index.json``) the new export did not write. In HF layout
+    a target that not every rank sees is refused before any weight is
+    written, and every file is checked (one listing, sizes) before the index
+    is written. Each file is whole or absent, and a write that fails on one
+    rank fails every rank before the next file.
+
     Raises:
         ValueError: an unknown ``format``, a bad ``max_shard_size``, or a URI
             whose scheme ``pyarrow`` does not know (before anything is written).
+        ExportTargetError: the target is not empty (without ``overwrite``),
+            not shared by every rank, or a written file is missing or short
+            (named, with the rank that wrote it).
+        RankFailedError: a write failed on some rank (named, with its error).
     """
     text = os.fspath(path)
     if format not in EXPORTERS:
@@ -88,15 +105,23 @@ def export_model(
     source = loaded_from(model)
     if dtype is None:
         dtype = source.dtype if source and source.dtype else next(model.parameters()).dtype
-    EXPORTERS[format](model, fs, root, max_shard_size=max_shard_size, dtype=dtype)
+    check_target(fs, root, overwrite, text)
+    EXPORTERS[format](model, fs, root, max_shard_size=max_shard_size, dtype=dtype, uri=text)
     return text
 
 
 def export_hf(
-    model: nn.Module, fs: pafs.FileSystem, root: str, *, max_shard_size, dtype: torch.dtype
+    model: nn.Module,
+    fs: pafs.FileSystem,
+    root: str,
+    *,
+    max_shard_size,
+    dtype: torch.dtype,
+    uri: str | None = None,
 ) -> None:
     """Hugging Face layout in directory ``root`` of ``fs`` (see
-    :func:`export_model`)."""
+    :func:`export_model`; ``uri`` names it in messages)."""
+    uri = uri or root
     inner = unwrap(model)
     state = get_model_state_dict(model)
     state = {k: state[k] for k in export_keys(inner, state)}
@@ -104,17 +129,27 @@ def export_hf(
         state = merge_adapters(inner, state)
     files = _plan(state, dtype, parse_size(max_shard_size))
     fs.create_dir(root, recursive=True)  # on object storage: a no-op or a marker
+    check_shared(fs, root, uri)
     write_files(fs, root, state, files, dtype)
-    barrier()
-    if _rank() == 0:
+    verify_files(fs, root, _expected(state, files, dtype), uri)
+    remove_stale(fs, root, {f.name for f in files} | {INDEX_NAME})
+
+    def publish() -> None:
         _copy_tokenizer_files(model, fs, root)
         _save_hf_config(inner, fs, root, dtype)
         write_bytes(fs, posixpath.join(root, INDEX_NAME), _index(state, files, dtype))
-    barrier()
+
+    broadcast_from_rank0(publish)
 
 
 def export_safetensors(
-    model: nn.Module, fs: pafs.FileSystem, root: str, *, max_shard_size, dtype: torch.dtype
+    model: nn.Module,
+    fs: pafs.FileSystem,
+    root: str,
+    *,
+    max_shard_size,
+    dtype: torch.dtype,
+    uri: str | None = None,
 ) -> None:
     """One safetensors file at ``root``, every state key (tied weights under
     each name), so ``model.load_state_dict(safetensors.torch.load_file(path))``
@@ -133,14 +168,28 @@ EXPORTERS: dict[str, Exporter] = {
 }
 
 
+def _sizes(state: dict, dtype: torch.dtype) -> dict[str, int]:
+    """Key -> bytes as exported."""
+    return {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+
+
 def _plan(state: dict, dtype: torch.dtype, max_bytes: int) -> list[FilePlan]:
-    sizes = {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+    sizes = _sizes(state, dtype)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return plan_export(sizes, max_bytes, world)
 
 
+def _expected(state: dict, files: list[FilePlan], dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+    """File name -> (bytes, writing rank) of the plan."""
+    sizes = _sizes(state, dtype)
+    return {
+        f.name: (len(file_header(state, f, dtype)) + sum(sizes[k] for k in f.keys), f.owner)
+        for f in files
+    }
+
+
 def _index(state: dict, files: list[FilePlan], dtype: torch.dtype) -> bytes:
-    sizes = {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
+    sizes = _sizes(state, dtype)
     weight_map = {k: f.name for f in files for k in f.keys}
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     return json.dumps(index, indent=2, sort_keys=True).encode()
@@ -178,7 +227,3 @@ def _save_hf_config(model: nn.Module, fs: pafs.FileSystem, root: str, dtype: tor
         for name in sorted(os.listdir(local)):
             with open(os.path.join(local, name), "rb") as f:
                 write_bytes(fs, posixpath.join(root, name), f.read())
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

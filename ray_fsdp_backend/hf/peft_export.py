@@ -43,10 +43,11 @@ def export_peft(
     *,
     max_shard_size=None,
     dtype: torch.dtype | None = None,
+    uri: str | None = None,
 ) -> None:
     """Write the adapters of ``model`` to directory ``root`` of ``fs`` in
     PEFT's format (see the module docstring; ``max_shard_size`` unused: one
-    file per adapter). Collective: every rank calls it.
+    file per adapter; ``uri`` unused: rank 0 writes every file). Collective: every rank calls it.
 
     Raises:
         ValueError: ``model`` has no PEFT adapters.

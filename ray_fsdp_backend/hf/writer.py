@@ -7,11 +7,14 @@ most ``max_shard_size``, each file given to one rank, balancing bytes. Then ever
 tensors in that order: a sharded tensor (``DTensor``) is gathered with
 ``full_tensor()`` (a collective: every rank takes part, one tensor at a
 time), and the rank that owns the tensor's file streams its bytes straight
-into that file, its header first (known from the plan). Nothing is staged:
-on object storage each rank uploads its own files (a multipart upload per
-file) with the credentials the filesystem already has; on a local disk a
-file is written as ``NAME.tmp`` and renamed. Peak host memory: one full
-tensor.
+into that file, its header first (known from the plan). Each file is
+whole or absent: on object storage each rank stages its own files and
+uploads each whole (a multipart upload per large file) with the credentials
+the filesystem already has; on a local disk a file is written as
+``NAME.tmp``, fsynced and renamed. After each file the ranks agree (one
+all-reduce) that it was written, so a failure on one rank fails every rank
+at once. Peak host memory: one full tensor (plus the staging spool's
+in-memory part on object storage).
 
 ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` and its
 consolidation (torch 2.13) work on local paths only, hence this writer.
@@ -19,9 +22,7 @@ consolidation (torch 2.13) work on local paths only, hence this writer.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -29,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend.filesystem import is_local
+from ray_fsdp_backend.collectives import raise_if_any_failed
 from ray_fsdp_backend.hf.safetensors_io import build_header
+from ray_fsdp_backend.retrying_fs import open_whole
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -120,47 +122,83 @@ def write_files(
     dtype: torch.dtype | None,
 ) -> int:
     """Write ``files`` (every rank calls it with the same plan; see the module
-    docstring). ``state`` values may be DTensors. Returns the bytes this rank
-    wrote."""
+    docstring). ``state`` values may be DTensors. Each file is whole or
+    absent (:func:`~ray_fsdp_backend.retrying_fs.open_whole`), and after
+    each file the ranks agree that it was written: a failed write on one
+    rank makes every rank raise
+    :class:`~ray_fsdp_backend.collectives.RankFailedError` naming that rank
+    and its error, before the next file's gathers. Returns the bytes this
+    rank wrote."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     written = 0
     for plan in files:
-        header = build_header(
-            (k, export_dtype(state[k], dtype), tuple(state[k].shape)) for k in plan.keys
-        )
-        with _maybe_open(
-            fs, f"{root}/{plan.name}" if root else plan.name, plan.owner == rank
-        ) as out:
-            if out is not None:
-                out.write(header)
-                written += len(header)
+        path = f"{root}/{plan.name}" if root else plan.name
+        sink = _FileSink(fs, path) if plan.owner == rank else None
+        try:
+            if sink is not None:
+                sink.write(file_header(state, plan, dtype))
             for key in plan.keys:
                 value = state[key].detach()
                 full = value.full_tensor() if isinstance(value, DTensor) else value
-                if out is not None:
+                if sink is not None:
                     data = full.to("cpu", export_dtype(full, dtype)).contiguous()
-                    out.write(data.reshape(-1).view(torch.uint8).numpy())
-                    written += data.numel() * data.element_size()
+                    sink.write(data.reshape(-1).view(torch.uint8).numpy())
+            error = sink.finish() if sink is not None else None
+        finally:
+            if sink is not None:
+                sink.discard()
+        raise_if_any_failed(error, f"writing {path}")
+        written += sink.written if sink is not None else 0
     return written
 
 
-@contextlib.contextmanager
-def _maybe_open(fs: pafs.FileSystem, path: str, mine: bool) -> Iterator:
-    """An output stream to ``path`` when this rank writes it, else None. On a
-    local disk the bytes go to ``path.tmp``, renamed when complete."""
-    if not mine:
-        yield None
-        return
-    target = f"{path}.tmp" if is_local(fs) else path
-    with fs.open_output_stream(target) as out:
-        yield out
-    if target != path:
-        fs.move(target, path)
+def file_header(state: dict[str, torch.Tensor], plan: FilePlan, dtype: torch.dtype | None):
+    """The safetensors header of ``plan``'s file."""
+    return build_header(
+        (k, export_dtype(state[k], dtype), tuple(state[k].shape)) for k in plan.keys
+    )
+
+
+class _FileSink:
+    """One file this rank writes, whole or not at all. A failed write is
+    recorded, not raised, so the rank keeps taking part in the gathers of
+    the file's remaining tensors; :meth:`finish` commits or aborts and
+    returns the error."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str):
+        self.error: Exception | None = None
+        self.written = 0
+        self._out = None
+        try:
+            self._out = open_whole(fs, path)
+        except Exception as exc:
+            self.error = exc
+
+    def write(self, data) -> None:
+        if self.error is not None:
+            return
+        try:
+            self.written += self._out.write(data)
+        except Exception as exc:
+            self.error = exc
+
+    def finish(self) -> Exception | None:
+        if self._out is not None:
+            try:
+                (self._out.abort if self.error else self._out.commit)()
+            except Exception as exc:
+                self.error = self.error or exc
+        return self.error
+
+    def discard(self) -> None:
+        """Drop the file unless committed (after an interruption)."""
+        if self._out is not None:
+            self._out.abort()
 
 
 def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
-    """One small file (index, config, tokenizer) written whole."""
-    with fs.open_output_stream(path) as out:
+    """One small file (index, config, tokenizer, marker) written whole."""
+    with open_whole(fs, path) as out:
         out.write(data)
 
 

@@ -46,6 +46,9 @@ class PretrainedModelConfig:
     export: str | None = None
     """Directory the fine-tuned model is exported to after the last step (a
     path every worker sees); None: no export."""
+    export_overwrite: bool = False
+    """Whether the export may replace a non-empty ``export`` directory's
+    weights (False: a non-empty one is refused, after training)."""
     export_format: str = "hf"
     """``hf``: Hugging Face layout (with ``lora``: adapters merged into the
     base); ``peft``: the adapters only, as ``PeftModel.from_pretrained`` reads them."""
@@ -70,6 +73,10 @@ class PretrainedModelConfig:
             raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
         if values.get("export") is not None and not isinstance(values["export"], str):
             raise ValueError(f"export={values['export']!r} must be a path or null")
+        if not isinstance(values.get("export_overwrite", False), bool):
+            raise ValueError(
+                f"export_overwrite={values['export_overwrite']!r} must be true or false"
+            )
         values = dict(values)
         if values.get("lora") is not None:
             values["lora"] = LoraOptions.from_dict(values["lora"])

@@ -280,7 +280,8 @@ def _section_errors(
                 del remaining[key]
 
 
-_EXTRA_KEYS = {"model": {"preset", "pretrained", "export", "export_format", "lora", "base_dtype"}}
+_MODEL_KEYS = ("preset", "pretrained", "export", "export_format", "export_overwrite", "lora")
+_EXTRA_KEYS = {"model": {*_MODEL_KEYS, "base_dtype"}}
 
 
 def _names_key(message: str, key: str) -> bool:

@@ -117,7 +117,10 @@ def run_training(
     if run.board is not None:
         run.board.close()
     if isinstance(spec.model, PretrainedModelConfig) and spec.model.export:
-        ctx.export_model(run.model, spec.model.export, format=spec.model.export_format)
+        model = spec.model
+        ctx.export_model(
+            run.model, model.export, format=model.export_format, overwrite=model.export_overwrite
+        )
     return run.history
 
 

@@ -64,6 +64,7 @@ class _Phases:
                 "retries": sum(retries),
                 "error": error,
             }
+        dist.barrier()  # the rules are cleared before any rank goes on
         return out
 
 

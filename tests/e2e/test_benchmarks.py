@@ -136,3 +136,15 @@ def test_tensor_parallel_and_fsdp_train_the_same_global_batch(results):
     # tp 2 x dp_shard 2 and dp_shard 4 both hold a quarter of the model per rank.
     params = {name: mem["params"] for name, mem in tp["memory"].items()}
     assert params["tp2_dp2"] == pytest.approx(params["dp4"], rel=0.05)
+
+
+def test_upload_stream_smoke():
+    """``benchmarks.upload_stream`` at 16 MiB (its default is 1 GiB, run by
+    hand): both modes upload every byte; the staged one spools to disk what
+    its memory part does not hold."""
+    from benchmarks import upload_stream
+
+    result = upload_stream.main(["--mib", "16", "--reps", "1"])
+    for row in result["modes"].values():
+        assert row["bytes"] == 16 * 1024 * 1024
+    assert result["modes"]["streamed"]["spool_file_mib"] == 0

@@ -72,3 +72,32 @@ def test_fsspec_wrapper_reads_byte_ranges(tmp_path):
     with fs.open(str(tmp_path / "f.bin"), "rb") as f:
         f.seek(10)
         assert f.read(5) == bytes(range(10, 15))
+
+
+def test_writes_are_whole_or_absent(tmp_path):
+    """open_whole commits when its block completes and aborts when it
+    raises, locally (``NAME.tmp`` renamed or deleted) and through the
+    retrying wrapper (nothing uploaded); a plain output-stream block on the
+    wrapper aborts too, and one opened while another exception is being
+    handled still commits."""
+    from ray_fsdp_backend.retrying_fs import open_whole, with_retries
+
+    staged = with_retries(pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()))
+    writes = [
+        lambda: open_whole(pafs.LocalFileSystem(), str(tmp_path / "local.bin")),
+        lambda: open_whole(staged, "staged.bin"),
+        lambda: staged.open_output_stream("plain.bin"),
+    ]
+    for write in writes:
+        with pytest.raises(ValueError, match="boom"), write() as out:
+            out.write(b"x" * 5000)
+            raise ValueError("boom")
+    assert os.listdir(tmp_path) == []
+    try:
+        raise KeyError("handled")
+    except KeyError:
+        for write in writes:
+            with write() as out:
+                out.write(b"y")
+    assert sorted(os.listdir(tmp_path)) == ["local.bin", "plain.bin", "staged.bin"]
+    assert (tmp_path / "staged.bin").read_bytes() == b"y"

@@ -1,0 +1,185 @@
+"""What staging an upload costs: one large shard to the moto S3 server,
+staged through the retry layer vs streamed by ``pyarrow``'s own multipart
+output stream.
+
+- ``staged``: :func:`ray_fsdp_backend.retrying_fs.open_whole` on the
+  retrying filesystem, as the Hugging Face exporter and DCP's writer use it:
+  the bytes are spooled (memory up to ``SPOOL_MEMORY_BYTES``, then an
+  anonymous temporary file), then uploaded whole on commit, retried whole;
+  a writer that raises uploads nothing.
+- ``streamed``: ``S3FileSystem.open_output_stream`` written directly: parts
+  uploaded in the background as they fill (the AWS SDK retries each
+  request); ``pyarrow`` 26 cannot abort it from Python, so a writer that
+  raises still publishes what it wrote.
+
+Each mode runs in a fresh process (the moto server in another) writing the
+same bytes in 16 MiB chunks, as the exporter writes tensors. Reported per
+mode: seconds (median of ``--reps``; and when the writer's last byte was
+written, before the commit), the writer's peak RSS, and the local
+disk the upload used (the spool file's size, and the drop of free space on
+``TMPDIR``'s filesystem, sampled every 10 ms). The overhead is staged /
+streamed - 1.
+
+    python -m benchmarks.upload_stream                # a 1 GiB shard, 3 repetitions
+    python -m benchmarks.upload_stream --mib 16 --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+MIB = 1024 * 1024
+CHUNK = 16 * MIB
+BUCKET = "upload-bench"
+_SERVER = """
+import sys, time
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+server.start()
+print("ready", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def _filesystem(port: int):
+    import pyarrow.fs as pafs
+
+    return pafs.S3FileSystem(
+        endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="testing",
+        secret_key="testing", region="us-east-1", allow_bucket_creation=True,
+        request_timeout=600,  # moto joins a 1 GiB upload's parts in Python: minutes
+    )  # fmt: skip
+
+
+class _DiskWatch:
+    """The largest drop of free space on ``path``'s filesystem while running."""
+
+    def __init__(self, path: str):
+        self._path, self._start = path, shutil.disk_usage(path).free
+        self.peak, self._done = 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.wait(0.01):
+            self.peak = max(self.peak, self._start - shutil.disk_usage(self._path).free)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(0, self.peak)
+
+
+def upload(mode: str, port: int, mib: int) -> dict:
+    """One upload of ``mib`` MiB in this process; what it cost."""
+    import resource
+    import tempfile
+
+    import numpy as np
+
+    from ray_fsdp_backend import retrying_fs
+
+    s3 = _filesystem(port)
+    chunk = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)
+    path = f"{BUCKET}/{mode}.safetensors"
+    watch = _DiskWatch(tempfile.gettempdir())
+    start = time.perf_counter()
+    if mode == "staged":
+        out = retrying_fs.open_whole(retrying_fs.with_retries(s3), path)
+    else:
+        out = s3.open_output_stream(path)
+    spooled = 0
+    with out:
+        for _ in range(mib * MIB // CHUNK):
+            out.write(chunk)
+        if mode == "staged" and out._spool._rolled:  # the spool's file: the local disk used
+            spooled = os.fstat(out._spool.fileno()).st_size
+        written = time.perf_counter() - start  # the writer's last byte; then the commit
+    seconds = time.perf_counter() - start
+    disk = watch.stop()
+    size = s3.get_file_info(path).size
+    s3.delete_file(path)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dict(mode=mode, seconds=seconds, write_s=written, bytes=size, peak_rss=peak_rss,
+                spool_file=spooled, disk_drop=disk)  # fmt: skip
+
+
+def run(mib: int, reps: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        server.stdout.readline()
+        s3 = _filesystem(port)
+        s3.create_dir(BUCKET)
+        with s3.open_output_stream(f"{BUCKET}/warm-up") as out:  # moto's first request is slow
+            out.write(b"x" * MIB)
+        rows: dict[str, list[dict]] = {"staged": [], "streamed": []}
+        for rep in range(reps):  # alternating order: drifting load hits both alike
+            for mode in ("staged", "streamed") if rep % 2 == 0 else ("streamed", "staged"):
+                rows[mode].append(_in_child(mode, port, mib))
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
+    summary = {
+        mode: {
+            "seconds": statistics.median(r["seconds"] for r in runs),
+            "write_s": statistics.median(r["write_s"] for r in runs),
+            "peak_rss_mib": max(r["peak_rss"] for r in runs) / MIB,
+            "spool_file_mib": max(r["spool_file"] for r in runs) / MIB,
+            "disk_drop_mib": max(r["disk_drop"] for r in runs) / MIB,
+            "bytes": runs[0]["bytes"],
+        }
+        for mode, runs in rows.items()
+    }
+    overhead = summary["staged"]["seconds"] / summary["streamed"]["seconds"] - 1
+    return dict(mib=mib, reps=reps, modes=summary, staged_overhead=overhead)
+
+
+def _in_child(mode: str, port: int, mib: int) -> dict:
+    code = (
+        "import json, sys; from benchmarks.upload_stream import upload; "
+        "print(json.dumps(upload(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, mode, str(port), str(mib)], capture_output=True, text=True
+    )
+    if out.returncode:
+        raise RuntimeError(f"the {mode} upload failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024, help="shard size (a multiple of 16)")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+    result = run(args.mib, args.reps)
+    for mode, row in result["modes"].items():
+        print(f"{mode:9s} {row['seconds']:7.2f} s (writes done at {row['write_s']:.2f} s)  "
+              f"peak RSS {row['peak_rss_mib']:7.1f} MiB  "
+              f"spool file {row['spool_file_mib']:7.1f} MiB  "
+              f"free disk drop {row['disk_drop_mib']:7.1f} MiB")  # fmt: skip
+    print(f"staging overhead: {100 * result['staged_overhead']:+.1f}% of the streamed upload")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
