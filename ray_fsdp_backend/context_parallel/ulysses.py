@@ -110,7 +110,8 @@ class UlyssesAttention:
 
     def __init__(self, group) -> None:
         self.group = group
-        self._key: tuple[torch.Tensor, int] | None = None
+        self._key: tuple[torch.Tensor, int | None] | None = None
+        self._full: torch.Tensor | None = None  # the whole rows' positions
         self._masks: dict[int | None, torch.Tensor | None] = {}
 
     def document_mask(
@@ -121,11 +122,10 @@ class UlyssesAttention:
         version = tensor_version(local)
         same = self._key is not None and self._key[0] is local and self._key[1] == version
         if version is None or not same:
-            self._masks = {}
-        self._key = (local, version)
+            self._key, self._masks = (local, version), {}
+            self._full = gather_sequence(local, self.group).expand(rows, -1)
         if window not in self._masks:
-            full = gather_sequence(local, self.group).expand(rows, -1)
-            self._masks[window] = document_causal_mask(full, window)
+            self._masks[window] = document_causal_mask(self._full, window)
         return self._masks[window]
 
     def __call__(
