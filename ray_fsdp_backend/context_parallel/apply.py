@@ -26,6 +26,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
 from ray_fsdp_backend.context_parallel.ring import ring_causal_attention
@@ -41,16 +42,78 @@ class ContextParallelBackend(str, Enum):
     RING = "ring"
 
 
+REFUSED_HF_KWARGS = frozenset({"attention_chunk_size", "position_bias", "chunk_size"})
+"""Attention-shaping arguments some transformers models pass that this
+kernel does not compute. Any other tensor argument but ``position_ids`` is
+refused too; plain flags (``output_router_logits``, ``use_cache``, ...)
+flow through the model's ``**kwargs`` and change nothing here."""
+
+
 def hf_ulysses_attention(
-    module, query, key, value, attention_mask, *, ulysses: UlyssesAttention, scaling=None, **kwargs
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    ulysses: UlyssesAttention,
+    scaling=None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux=None,
+    sinks=None,
+    **kwargs,
 ):
     """transformers' attention-function signature (with ``ulysses`` bound):
     ``[b, heads, seq/cp, d]`` in, ``([b, seq/cp, heads, d], None)`` out.
-    ``attention_mask`` is None (see the module docstring); padding belongs at
-    a row's end with label ``-100``, where causal attention never lets a real
-    token see it."""
-    out = ulysses(query, key, value, position_ids=kwargs.get("position_ids"), scale=scaling)
+
+    Every argument transformers 5.23's decoders pass is honoured: ``scaling``,
+    ``dropout`` (nonzero in train mode only, as transformers passes it),
+    ``sliding_window`` (per layer), ``softcap`` (Gemma 2), attention sinks
+    (``s_aux`` from gpt-oss, ``sinks`` elsewhere), and the per-document
+    mask of packed rows from ``position_ids``, combined with the window.
+    ``attention_mask`` is None for this registered name (transformers builds
+    no mask for it; the mask is built from the gathered positions instead);
+    padding belongs at a row's end with label ``-100``, where causal
+    attention never lets a real token see it.
+
+    Raises:
+        ValueError: an argument this kernel does not compute (never dropped
+            silently), or a non-causal call.
+    """
+    unknown = {
+        k: v
+        for k, v in kwargs.items()
+        if v is not None and (k in REFUSED_HF_KWARGS or torch.is_tensor(v) and k != "position_ids")
+    }
+    if kwargs.get("is_causal") is False:
+        unknown["is_causal"] = False
+    if attention_mask is not None:
+        unknown["attention_mask"] = type(attention_mask).__name__
+    if unknown:
+        raise ValueError(
+            f"context parallelism (Ulysses) got attention arguments it does not compute from "
+            f"{type(module).__name__}: {sorted(unknown)}; it computes causal attention with "
+            "scaling, dropout, sliding_window, softcap, sinks and packed-row documents"
+        )
+    out = ulysses(
+        query,
+        key,
+        value,
+        position_ids=kwargs.get("position_ids"),
+        scale=scaling,
+        window=sliding_window,
+        softcap=softcap,
+        sinks=_local(s_aux if s_aux is not None else sinks),
+        dropout=dropout,
+    )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _local(t):
+    """A replicated DTensor (a tp-replicated parameter) as its local tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _hf_models(model: nn.Module) -> list[nn.Module]:
@@ -93,6 +156,36 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     return args, {**kwargs, "use_cache": False}
 
 
+def check_context_parallel(
+    model: nn.Module, backend: ContextParallelBackend | str
+) -> ContextParallelBackend:
+    """Refuse what ``backend`` cannot compute for ``model``, by name, before
+    any weight moves (``ctx.wrap`` calls it first). Returns the backend.
+
+    Ring is torch's ``context_parallel``: it turns plain causal SDPA into ring
+    attention and computes no sliding window, soft-cap, attention sink, or
+    mask (so no packed documents). It is wired for the project's decoder
+    (plain causal attention); a transformers model is refused with ring
+    whatever its family, since every transformers decoder may pass any of
+    these per layer.
+
+    Raises:
+        ValueError: no recognised attention (see :func:`attention_heads`),
+            or ring for a transformers model.
+    """
+    attention_heads(model)
+    backend = ContextParallelBackend(backend)
+    hf_models = _hf_models(model)
+    if hf_models and backend is ContextParallelBackend.RING:
+        raise ValueError(
+            f"context_parallel_backend='ring' cannot run {type(hf_models[0]).__name__}: torch's "
+            "ring attention computes plain causal SDPA only (no sliding_window, softcap, "
+            "attention sinks or document masks, which transformers models pass per layer); "
+            "it is wired for the project's decoder. Use 'ulysses' for transformers models"
+        )
+    return backend
+
+
 def apply_context_parallel(
     model: nn.Module, group, backend: ContextParallelBackend | str = "ulysses"
 ) -> nn.Module:
@@ -105,14 +198,8 @@ def apply_context_parallel(
         ValueError: ``model`` has no attention this module recognises, or
             ring for a transformers model (not wired: use Ulysses).
     """
-    attention_heads(model)  # refuses a model without a recognised attention
-    backend = ContextParallelBackend(backend)
+    backend = check_context_parallel(model, backend)
     hf_models = _hf_models(model)
-    if hf_models and backend is ContextParallelBackend.RING:
-        raise ValueError(
-            "context_parallel_backend='ring' is wired for the project's decoder only; "
-            "use 'ulysses' for transformers models"
-        )
     ulysses = UlyssesAttention(group)
     kernel = ulysses if backend is ContextParallelBackend.ULYSSES else ring_causal_attention
     for module in model.modules():

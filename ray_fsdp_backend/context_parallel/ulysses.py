@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ray_fsdp_backend.context_parallel.attention import document_causal_mask, masked_attention
+from ray_fsdp_backend.context_parallel.sequence import default_position_ids
 
 
 def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -82,30 +83,50 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-class UlyssesAttention:
-    """Causal (document-masked) attention of sequence-sharded
-    ``[batch, heads, seq/cp, d]`` tensors over the whole sequence of the cp
-    ``group``; returns ``[batch, heads, seq/cp, d]``. ``position_ids`` are this
-    rank's ``[batch or 1, seq/cp]`` positions (contiguous split,
-    :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`).
+def tensor_version(t: torch.Tensor) -> int | None:
+    """Autograd's version counter of ``t`` (bumped by every in-place write),
+    or None for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
 
-    One instance serves every layer of a model: it keeps the document mask
-    of the forward in flight (every layer passes the same local
-    ``position_ids`` tensor), so the gather of the whole row's positions and
+
+class UlyssesAttention:
+    """Causal (document-masked, optionally windowed) attention of
+    sequence-sharded ``[batch, heads, seq/cp, d]`` tensors over the whole
+    sequence of the cp ``group``; returns ``[batch, heads, seq/cp, d]``.
+    ``position_ids`` are this rank's ``[batch or 1, seq/cp]`` positions
+    (contiguous split,
+    :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`).
+    A per-head ``sinks`` tensor covers the whole model's heads; each rank
+    takes the slice of the heads it holds after the exchange.
+
+    One instance serves every layer of a model: it keeps the gathered
+    positions and each window's mask of the forward in flight, keyed on the
+    local ``position_ids`` tensor *and its version counter*, so the gather and
     the mask (with its one host check: packed or not) run once per forward,
-    not once per layer.
+    not once per layer, and a buffer refilled in place for the next batch
+    (which bumps the counter) gets a new mask. An inference tensor has no
+    counter: its mask is rebuilt every call.
     """
 
     def __init__(self, group) -> None:
         self.group = group
-        self._mask: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (local ids, mask)
+        self._key: tuple[torch.Tensor, int | None] | None = None
+        self._full: torch.Tensor | None = None  # the whole rows' positions
+        self._masks: dict[int | None, torch.Tensor | None] = {}
 
-    def document_mask(self, local: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """The whole rows' causal document mask (None: one document per row)."""
-        if self._mask is None or self._mask[0] is not local:
-            full = gather_sequence(local, self.group).expand(rows, -1)
-            self._mask = (local, document_causal_mask(full))
-        return self._mask[1]
+    def document_mask(
+        self, local: torch.Tensor, rows: int, window: int | None = None
+    ) -> torch.Tensor | None:
+        """The whole rows' causal document mask, limited to ``window`` when
+        given (None: one document per row and no window)."""
+        version = tensor_version(local)
+        same = self._key is not None and self._key[0] is local and self._key[1] == version
+        if version is None or not same:
+            self._key, self._masks = (local, version), {}
+            self._full = gather_sequence(local, self.group).expand(rows, -1)
+        if window not in self._masks:
+            self._masks[window] = document_causal_mask(self._full, window)
+        return self._masks[window]
 
     def __call__(
         self,
@@ -115,12 +136,24 @@ class UlyssesAttention:
         *,
         position_ids: torch.Tensor | None = None,
         scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        dropout: float = 0.0,
     ) -> torch.Tensor:
         cp = dist.get_world_size(self.group)
         repeat = kv_repeat_factor(q.shape[1], k.shape[1], cp)
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if sinks is not None:
+            sinks = sinks.chunk(cp)[dist.get_rank(self.group)]
         q, k, v = (sequence_to_heads(t, self.group) for t in (q, k, v))
-        mask = None if position_ids is None else self.document_mask(position_ids, q.shape[0])
-        out = masked_attention(q, k, v, mask, scale=scale)
+        if position_ids is None:
+            position_ids = default_position_ids(1, q.shape[2], q.device)
+            mask = document_causal_mask(position_ids.expand(q.shape[0], -1), window)
+        else:
+            mask = self.document_mask(position_ids, q.shape[0], window)
+        out = masked_attention(
+            q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks, dropout=dropout
+        )
         return heads_to_sequence(out, self.group)

@@ -29,7 +29,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from ray_fsdp_backend.context_parallel.apply import apply_context_parallel, attention_heads
+from ray_fsdp_backend.context_parallel.apply import (
+    apply_context_parallel,
+    attention_heads,
+    check_context_parallel,
+)
 from ray_fsdp_backend.mesh import data_parallel_mesh, tensor_parallel_mesh
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
@@ -168,6 +172,8 @@ class FSDPStrategy(DistributionStrategy):
         return tensor_parallel_mesh(self.mesh)
 
     def wrap(self, model: nn.Module, *, tp_plan: dict | None = None) -> nn.Module:
+        if self.config.context_parallel_size > 1:
+            self.check_context_parallel(model)  # refusals before any weight moves
         if self.tp_mesh is None:
             self._refuse_tp_plan(tp_plan)
         else:
@@ -256,9 +262,15 @@ class FSDPStrategy(DistributionStrategy):
         """Swap ``model``'s attention for Ulysses or ring over the mesh's cp
         axis (the backend resolved from its heads and the device, kept in
         ``cp_backend``)."""
+        self.check_context_parallel(model)
+        apply_context_parallel(model, self.mesh[CP_AXIS].get_group(), self.cp_backend)
+
+    def check_context_parallel(self, model: nn.Module) -> None:
+        """Resolve the cp backend for ``model``'s heads and device (kept in
+        ``cp_backend``) and refuse what it cannot compute."""
         heads = attention_heads(model)
         self.cp_backend = self.config.resolve_cp_backend(heads, self.device.type)
-        apply_context_parallel(model, self.mesh[CP_AXIS].get_group(), self.cp_backend)
+        check_context_parallel(model, self.cp_backend)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Accumulation micro-batches. By default gradients are reduce-scattered

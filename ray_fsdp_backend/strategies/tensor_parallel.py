@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -51,11 +52,45 @@ from torch.distributed.tensor.parallel import (
 _logger = logging.getLogger(__name__)
 
 COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
-ROWWISE = ("rowwise", "rowwise_rep", "local_rowwise")
+ROWWISE = ("rowwise", "rowwise_rep", "local_rowwise", "rowwise_split_input")
 EMBEDDING = ("embedding_rowwise",)
 GATHER_OUTPUT = ("colwise_rep", "colwise_gather_output")
-STYLE_NAMES = COLWISE + ROWWISE + EMBEDDING + ("sequence_parallel", "replicate")
-"""The plan values understood (transformers' names)."""
+SPLIT_INPUT = ("rowwise_rep", "rowwise_split_input")
+GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+STYLE_NAMES = COLWISE + ROWWISE + EMBEDDING + ("sequence_parallel", "replicate", GRAD_ALLREDUCE)
+"""The plan values understood (transformers 5.23's names). The fused
+projections of Phi-3 (``qkv_proj``, ``gate_up_proj``) and OLMo 2's q/k/v
+use ``colwise_gather_output`` (split, then all-gathered, so the fused
+output is whole) followed by ``rowwise_split_input`` (a replicated input
+sliced locally). transformers' ``packed_*`` / ``moe_tp_experts`` /
+``mla_kv_a_proj`` / ``local_params`` styles split expert or latent
+weights and are refused by name."""
+
+
+REFUSED_FAMILIES = {
+    "gpt_oss": (
+        "its attention holds a sinks parameter used on activations passed as keyword "
+        "arguments, which the replicated style cannot turn into DTensors (aten.cat of a "
+        "DTensor and a tensor); transformers 5.23's own gpt-oss plan splits only the "
+        "embedding (experts go by expert parallelism). Use FSDP2 or context parallelism"
+    ),
+}
+"""transformers ``model_type`` values tensor parallelism refuses, and why."""
+
+
+def check_tp_family(model: nn.Module) -> None:
+    """Refuse a family tensor parallelism cannot run, by name, before any
+    weight moves.
+
+    Raises:
+        ValueError: ``config.model_type`` is in :data:`REFUSED_FAMILIES`.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in REFUSED_FAMILIES:
+        raise ValueError(
+            f"tensor_parallel_size > 1 is refused for {type(model).__name__} "
+            f"(model_type={model_type!r}): {REFUSED_FAMILIES[model_type]}"
+        )
 
 
 @dataclass(frozen=True)
@@ -149,30 +184,65 @@ def model_head_counts(model: nn.Module) -> dict[str, int]:
 
 
 def build_styles(matched: Mapping[str, object], options: TPOptions) -> dict[str, ParallelStyle]:
-    """The torch style for every matched module name."""
-    return {name: _style(style, options) for name, style in matched.items()}
+    """The torch style for every matched module name. The output head is the
+    last module (in module order) with a gathered-output style: only it
+    keeps its logits split under ``loss_parallel`` (Phi-3 and OLMo 2 gather
+    the outputs of inner layers with the same style name)."""
+    heads = [name for name, style in matched.items() if style in GATHER_OUTPUT]
+    head = heads[-1] if heads else None
+    return {name: _style(style, options, name == head) for name, style in matched.items()}
 
 
-def _style(style, options: TPOptions) -> ParallelStyle:
+def _style(style, options: TPOptions, output_head: bool = False) -> ParallelStyle:
     if isinstance(style, ParallelStyle):
         return style
     sp = options.sequence_parallel
     seq = Shard(1)
-    if style in GATHER_OUTPUT:  # the output head
+    if style in GATHER_OUTPUT:
+        split_logits = output_head and options.loss_parallel
         return ColwiseParallel(
-            input_layouts=seq if sp else Replicate(),
-            output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
-            use_local_output=not options.loss_parallel,
+            input_layouts=seq if sp and output_head else Replicate(),
+            output_layouts=Shard(-1) if split_logits else Replicate(),
+            use_local_output=not split_logits,
         )
     if style in COLWISE:
         return ColwiseParallel()
     if style in ROWWISE:
-        return RowwiseParallel(output_layouts=seq if sp else Replicate())
+        inputs = Replicate() if style in SPLIT_INPUT else Shard(-1)
+        return RowwiseParallel(input_layouts=inputs, output_layouts=seq if sp else Replicate())
     if style in EMBEDDING:
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        return _EmbeddingParallel(output_layouts=seq if sp else Replicate())
     if style == "sequence_parallel":
         return SequenceParallel(use_local_output=True)
+    if style == GRAD_ALLREDUCE:
+        # transformers' ReplicatedWithGradAllReduce: a replicated weight (a
+        # per-head q/k norm) applied to this rank's heads, its gradient summed
+        # over tp. The input declared Shard(0) over tp says exactly that (the
+        # norm reduces over the last dim only, so any other dim would do):
+        # DTensor then all-reduces the weight's Partial gradient and leaves
+        # the input's gradient local, whatever the family's head layout.
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     return _ReplicateStyle()
+
+
+class _EmbeddingParallel(RowwiseParallel):
+    """The input embedding split over the vocabulary, its output plain.
+
+    Its all-reduced output is an ``AsyncCollectiveTensor`` (funcol): under
+    torch 2.13, one reaching a ``torch.compile``-d block is unwrapped off the
+    autograd graph by AOT autograd, and the embedding's gradient is lost
+    (zero untied, 0.68x tied; grad norm 0.861 vs 1.149 at step 1). A clone
+    waits for the collective and returns a plain tensor on the graph."""
+
+    def __init__(self, *, output_layouts) -> None:
+        super().__init__(input_layouts=Replicate(), output_layouts=output_layouts)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+        return outputs.clone() if isinstance(outputs, AsyncCollectiveTensor) else outputs
 
 
 class _ReplicateStyle(ParallelStyle):
@@ -208,6 +278,7 @@ def apply_tensor_parallel(
         ValueError: a plan that names no module of ``model``, or a head
             count or split dimension ``tp`` does not divide.
     """
+    check_tp_family(model)
     matched = match_plan(model, plan)
     if not matched:
         raise ValueError(

@@ -96,3 +96,40 @@ def test_a_plan_that_names_no_module_is_refused_before_any_collective():
         apply_tensor_parallel(
             model, None, {"model.layers.*.q_proj": "colwise"}, TPOptions(True, False)
         )
+
+
+def _family(model_type: str):
+    import transformers as tf
+
+    from tests.zoo_families import family_config
+
+    with torch.device("meta"):
+        return tf.AutoModelForCausalLM.from_config(family_config(model_type))
+
+
+def test_transformers_styles_map_to_their_gradient_semantics():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from ray_fsdp_backend.strategies.tensor_parallel import TPOptions, build_styles
+
+    phi3 = _family("phi3")
+    styles = build_styles(match_plan(phi3, resolve_tp_plan(phi3, None)), TPOptions(False, True))
+    qkv, o = styles["model.layers.0.self_attn.qkv_proj"], styles["model.layers.0.self_attn.o_proj"]
+    assert isinstance(qkv, ColwiseParallel) and qkv.output_layouts == (Replicate(),)
+    assert isinstance(o, RowwiseParallel) and o.input_layouts == (Replicate(),)
+    head = styles["lm_head"]  # only the output head keeps its logits split (loss parallel)
+    assert head.output_layouts == (Shard(-1),) and not head.use_local_output
+    qwen3 = _family("qwen3")
+    styles = build_styles(match_plan(qwen3, resolve_tp_plan(qwen3, None)), TPOptions(False, False))
+    norm = styles["model.layers.1.self_attn.k_norm"]  # gradient summed over tp
+    assert isinstance(norm, SequenceParallel) and norm.sequence_sharding == (Shard(0),)
+
+
+def test_styles_and_families_tp_cannot_run_are_refused_by_name():
+    from ray_fsdp_backend.strategies.tensor_parallel import check_tp_family
+
+    with pytest.raises(ValueError, match="'packed_colwise' is not one of"):
+        resolve_tp_plan(_llama(), {"model.layers.*.mlp.up_proj": "packed_colwise"})
+    with pytest.raises(ValueError, match="model_type='gpt_oss'.*sinks"):
+        check_tp_family(_family("gpt_oss"))

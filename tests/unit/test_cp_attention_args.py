@@ -1,0 +1,155 @@
+"""The context-parallel attention kernel computes every argument transformers
+5.23 passes an attention function, checked against transformers' own eager
+functions and masks on one process: sliding windows (with and without packed
+documents), Gemma 2's soft-cap, gpt-oss's sinks, scaling and dropout; the
+Ulysses kernel refuses by name what it does not compute; its mask cache
+follows an in-place refill of the positions buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ray_fsdp_backend.context_parallel import pack_documents
+from ray_fsdp_backend.context_parallel.apply import hf_ulysses_attention
+from ray_fsdp_backend.context_parallel.attention import document_causal_mask, masked_attention
+from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention
+
+pytest.importorskip("transformers")
+
+SEQ, HEADS, KV, DIM = 32, 4, 2, 8
+
+
+def _qkv(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, HEADS, SEQ, DIM, generator=g)
+    k, v = (torch.randn(2, KV, SEQ, DIM, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def _packed_positions() -> torch.Tensor:
+    docs = [torch.arange(n) for n in (5, 13, 9, 20, 17)]
+    return pack_documents(docs, SEQ, rows=2)["position_ids"]
+
+
+def _module(**attrs) -> nn.Module:
+    module = nn.Module()
+    module.num_key_value_groups = HEADS // KV
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    return module
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_window_and_document_mask_equal_transformers(packed):
+    from transformers import MistralConfig
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    config = MistralConfig(sliding_window=8, hidden_size=32, num_attention_heads=4)
+    config._attn_implementation = "sdpa"
+    positions = _packed_positions() if packed else torch.arange(SEQ).expand(2, SEQ)
+    theirs = create_sliding_window_causal_mask(
+        config=config,
+        inputs_embeds=torch.empty(2, SEQ, 32),
+        attention_mask=None,
+        cache=None,
+        position_ids=positions,
+    )
+    assert torch.equal(document_causal_mask(positions, window=8), theirs.expand(2, 1, SEQ, SEQ))
+
+
+def test_softcap_window_and_scaling_equal_gemma2_eager():
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    q, k, v = _qkv()
+    mask = document_causal_mask(_packed_positions(), window=8)
+    module = _module(training=False)
+    theirs, _ = eager_attention_forward(
+        module, q, k, v, _additive(mask), dropout=0.0, scaling=0.3, softcap=2.0
+    )
+    ours = masked_attention(q, k, v, mask, scale=0.3, softcap=2.0)
+    torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=1e-6, atol=1e-6)
+    plain = masked_attention(q, k, v, mask, scale=0.3)
+    assert (plain - ours).abs().max() > 1e-2  # the cap changes the numbers
+
+
+def test_sinks_equal_gpt_oss_eager():
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    q, k, v = _qkv()
+    sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(1))
+    mask = document_causal_mask(_packed_positions())
+    module = _module(training=False, sinks=sinks)
+    theirs, _ = eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.35)
+    ours = masked_attention(q, k, v, mask, scale=0.35, sinks=sinks)
+    torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_draws_as_transformers_eager_does():
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    q, k, v = _qkv()
+    mask = document_causal_mask(torch.arange(SEQ).expand(2, SEQ), window=8)
+    module = _module(training=True)
+    torch.manual_seed(3)
+    theirs, _ = eager_attention_forward(
+        module, q, k, v, _additive(mask), dropout=0.5, scaling=0.3, softcap=2.0
+    )
+    torch.manual_seed(3)
+    ours = masked_attention(q, k, v, mask, scale=0.3, softcap=2.0, dropout=0.5)
+    torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=1e-6, atol=1e-6)
+    assert (ours - masked_attention(q, k, v, mask, scale=0.3, softcap=2.0)).abs().max() > 1e-2
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_mask_cache_follows_a_buffer_refilled_in_place(one_rank):
+    ulysses = UlyssesAttention(one_rank)
+    buffer = torch.arange(SEQ).expand(2, SEQ).contiguous()
+    assert ulysses.document_mask(buffer, 2) is None  # one document per row
+    assert ulysses.document_mask(buffer, 2, window=8) is not None
+    buffer.copy_(_packed_positions())  # the next batch, same tensor
+    assert torch.equal(ulysses.document_mask(buffer, 2), document_causal_mask(buffer))
+    windowed = ulysses.document_mask(buffer, 2, window=8)
+    assert torch.equal(windowed, document_causal_mask(buffer, window=8))
+    assert ulysses.document_mask(buffer, 2, window=8) is windowed  # cached within a batch
+
+
+def test_ulysses_refuses_by_name_what_it_does_not_compute(one_rank):
+    ulysses = UlyssesAttention(one_rank)
+    q, k, v = _qkv()
+    module = _module()
+    with pytest.raises(ValueError, match="position_bias"):
+        hf_ulysses_attention(module, q, k, v, None, ulysses=ulysses, position_bias=q)
+    with pytest.raises(ValueError, match="attention_mask"):
+        hf_ulysses_attention(module, q, k, v, torch.ones(2, SEQ), ulysses=ulysses)
+    with pytest.raises(ValueError, match="is_causal"):
+        hf_ulysses_attention(module, q, k, v, None, ulysses=ulysses, is_causal=False)
+    out, _ = hf_ulysses_attention(
+        module, q, k, v, None, ulysses=ulysses, output_router_logits=False, softcap=2.0
+    )
+    assert out.shape == (2, SEQ, HEADS, DIM)
+
+
+def test_ring_refuses_transformers_models_by_name_before_anything_moves():
+    from transformers import MistralForCausalLM
+
+    from ray_fsdp_backend.context_parallel.apply import check_context_parallel
+    from tests.zoo_families import family_config
+
+    with torch.device("meta"):
+        model = MistralForCausalLM(family_config("mistral"))
+    with pytest.raises(ValueError, match="ring.*MistralForCausalLM.*sliding_window, softcap"):
+        check_context_parallel(model, "ring")
+    assert check_context_parallel(model, "ulysses").value == "ulysses"
