@@ -120,11 +120,6 @@ def test_trainer_loop_equals_one_process(results, reference, layout):
     _assert_matches(results[layout], reference)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="TP x torch.compile loses the embedding's gradient (AsyncCollectiveTensor "
-    "unwrapped by AOT autograd); issue 33's TP x compile fix lands on another branch",
-)
 def test_trainer_loop_tp_compile_equals_one_process(results, reference):
     _assert_matches(results["tp2 compile"], reference)
 
