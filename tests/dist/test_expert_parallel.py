@@ -130,7 +130,8 @@ def reference(family: str, path: str, forced: bool, ep: int):
     return (logits, *_train(model, slice(None), clip, lambda loss: loss.item()))
 
 
-def _run_case(rank, family, ep, replicate, forced, path):
+def ep_strategy(rank: int, ep: int, replicate: int | None):
+    """The fp32 FSDP2 (or HSDP) strategy at ``ep`` on WORLD ranks, its layout and mesh."""
     cfg = FSDPConfig(
         use_fsdp=True,
         fsdp_sharding_strategy="hybrid_shard" if replicate else "full_shard",
@@ -141,6 +142,11 @@ def _run_case(rank, family, ep, replicate, forced, path):
     layout = resolve_layout(cfg, topology_from_node_counts([WORLD]))
     mesh = build_device_mesh(layout, "cpu")
     strategy = build_strategy(cfg, device=torch.device("cpu"), local_rank=rank, mesh=mesh)
+    return strategy, layout, mesh
+
+
+def _run_case(rank, family, ep, replicate, forced, path):
+    strategy, layout, mesh = ep_strategy(rank, ep, replicate)
     from ray_fsdp_backend.hf.models import build_causal_lm
 
     model = build_causal_lm(path)
@@ -159,7 +165,7 @@ def _run_case(rank, family, ep, replicate, forced, path):
         if forced:
             force_rank0_experts(model, EXPERTS // ep)
         model = strategy.wrap(model)
-        load_pretrained(model, path)
+        bytes_read = load_pretrained(model, path).bytes_read
         with torch.no_grad():
             logits = model(_batches()[0][0]).logits
         dp_rank, dp_size = layout.data_parallel_coordinates(rank)
@@ -178,10 +184,23 @@ def _run_case(rank, family, ep, replicate, forced, path):
         experts_cls.forward = original
     # every rank: ctx.mesh["ep"]'s rank is the pure layout's, and how many rows
     # its experts ran on in how many calls (an empty exchange runs one dummy row)
-    mine = (mesh["ep"].get_local_rank(), layout.expert_coordinates(rank)["ep"], rows_seen)
+    share = _weight_bytes(path) / layout.size(("dp_shard", "cp"))
+    mine = (
+        mesh["ep"].get_local_rank(),
+        layout.expert_coordinates(rank)["ep"],
+        rows_seen,
+        bytes_read / share,
+    )
     ranks = [None] * WORLD
     dist.all_gather_object(ranks, mine)
     return (logits, *result, seen, ranks)
+
+
+def _weight_bytes(path: str) -> int:
+    from safetensors import safe_open
+
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # fp32
 
 
 def _all_cases(rank, world, cases, path_of):
@@ -215,7 +234,9 @@ def test_matches_one_process(results, name):
     # rank 0's experts forward held N/E experts and saw local expert ids only
     assert {shape[0] for shape, _ in seen} == {EXPERTS // ep}
     assert max(top for _, top in seen) < EXPERTS // ep
-    assert all(mesh_rank == pure for mesh_rank, pure, _ in ranks)
-    assert [pure for _, pure, _ in ranks] == [r % ep for r in range(WORLD)]
+    assert all(mesh_rank == pure for mesh_rank, pure, _, _ in ranks)
+    assert [pure for _, pure, _, _ in ranks] == [r % ep for r in range(WORLD)]
     if CASES[name][3]:  # only ep rank 0's experts get tokens; the others ran dummies
-        assert all((rows == calls) == (pure > 0) for _, pure, (rows, calls) in ranks)
+        assert all((rows == calls) == (pure > 0) for _, pure, (rows, calls), _ in ranks)
+    # load_pretrained: each rank read its own experts and dense shard, not more
+    assert max(read for *_, read in ranks) <= 1.1, [read for *_, read in ranks]
