@@ -141,3 +141,19 @@ def test_ep_plan_expands_and_refuses():
         ValueError, match=r"expert_parallel_size=2: LlamaForCausalLM has no experts"
     ):
         resolve_ep_plan(dense, 2)
+
+
+def test_plan_prints_the_expert_groups():
+    from ray_fsdp_backend.cli import format_expert_groups
+
+    assert format_expert_groups(_layout([4])) == []
+    assert format_expert_groups(_layout([4], ep=2)) == [
+        "experts:  expert_parallel_size=2: each rank holds 1/2 of every MoE layer's experts, "
+        "FSDP2-sharded over 2 ranks",
+        "ep groups (2; tokens to their experts by all-to-all):",
+        "  [0, 1]",
+        "  [2, 3]",
+        "efsdp groups (2; same experts: all-gather, reduce-scatter):",
+        "  [0, 2]",
+        "  [1, 3]",
+    ]
