@@ -18,7 +18,7 @@ per-expert keys ``save_pretrained`` writes.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -59,6 +59,36 @@ def fuse_experts(
                         del out[f"{prefix}experts.{e}.{name}.weight"]
                 break
     return out
+
+
+def renamed_key_map(names: Mapping[str, str]) -> Callable[[str], str | None]:
+    """Checkpoint key -> model key, for a model whose names are the
+    checkpoint's under another prefix (PEFT's ``base_model.model.``):
+    ``names`` maps the checkpoint form of every model key to the key. A
+    per-expert checkpoint key (``...mlp.experts.3.gate_proj.weight``,
+    Mixtral's ``...block_sparse_moe.experts.3.w1.weight``), which no model
+    key names, gets the prefix of its layer's fused key, so that
+    :func:`fuse_experts` finds it; Mixtral's ``block_sparse_moe.gate`` maps
+    like ``mlp.gate``. Other keys: ``names`` or None."""
+    layers: dict[str, str] = {}
+    for ckpt, key in names.items():
+        suffix = next((s for s in _FUSED if ckpt.endswith(s)), None)
+        if suffix is not None:
+            layers[ckpt[: -len(suffix)]] = key[: -len(suffix)]
+
+    def key_map(key: str) -> str | None:
+        plain = _MIXTRAL_PREFIX.sub(".mlp.", key)
+        if plain in names:
+            return names[plain]
+        match = _PER_EXPERT.match(plain)
+        if match is None or match.group(1) not in layers:
+            return None
+        return layers[match.group(1)] + plain[len(match.group(1)) :]
+
+    return key_map
+
+
+_PER_EXPERT = re.compile(r"(.*\.)experts\.\d+\.")
 
 
 def _expert_parts(by_name, prefix: str, names: tuple[str, ...]):

@@ -5,7 +5,8 @@ One spawn runs every case: a tiny Qwen3-MoE (8 experts, top-2) at ep 2
 ones), at ep 4, under HSDP (2 replicas x dp_shard 2, ep 2), and with every
 router forced to pick among ep rank 0's experts (the other ranks receive no
 token: both exchanges and the reduce-scatter still run); a tiny Mixtral and
-a Qwen2-MoE with a shared expert at ep 2. Each case loads the same
+a Qwen2-MoE with a shared expert at ep 2; LoRA on the Qwen3-MoE's attention
+(frozen experts) at ep 2, adapters loaded from a PEFT directory. Each case loads the same
 checkpoint with ``load_pretrained``, compares the logits, then trains three
 AdamW steps on per-dp-rank rows with the global clip: loss and pre-clip
 norm per step equal the one-process run on the global batch (fp32), and
@@ -34,15 +35,18 @@ WORLD, STEPS, LR, MAX_NORM = 4, 3, 3e-3, 0.05
 BATCH, SEQ, VOCAB, EXPERTS = 4, 12, 96, 8
 NORM_TYPES = (2.0, 1.0, math.inf)
 
-# name: (family, expert_parallel_size, hsdp replicate size, force every token to ep rank 0)
+# name: (family, expert_parallel_size, hsdp replicate size, force every token to ep rank 0,
+#        LoRA on the attention with frozen experts)
 CASES = {
-    "qwen3_ep2": ("qwen3_moe", 2, None, False),
-    "qwen3_ep4": ("qwen3_moe", 4, None, False),
-    "qwen3_hsdp_ep2": ("qwen3_moe", 2, 2, False),
-    "qwen3_ep2_all_to_rank0": ("qwen3_moe", 2, None, True),
-    "mixtral_ep2": ("mixtral", 2, None, False),
-    "qwen2_shared_ep2": ("qwen2_moe", 2, None, False),
+    "qwen3_ep2": ("qwen3_moe", 2, None, False, False),
+    "qwen3_ep4": ("qwen3_moe", 4, None, False, False),
+    "qwen3_hsdp_ep2": ("qwen3_moe", 2, 2, False, False),
+    "qwen3_ep2_all_to_rank0": ("qwen3_moe", 2, None, True, False),
+    "qwen3_ep2_lora": ("qwen3_moe", 2, None, False, True),
+    "mixtral_ep2": ("mixtral", 2, None, False, False),
+    "qwen2_shared_ep2": ("qwen2_moe", 2, None, False, False),
 }
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
 def tiny_moe_config(family: str):
@@ -75,6 +79,23 @@ def save_moe(family: str, path: str) -> None:
             if name.endswith("gate.weight"):
                 p.normal_(0, 0.5)
     model.save_pretrained(path)
+
+
+def save_adapter(path: str) -> str:
+    """A LoRA adapter for the checkpoint at ``path`` (lora_B not zero, so both
+    factors train from the first step), saved beside it; returns its path."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(6)
+    model = get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA)
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(f"{path}-lora")
+    return f"{path}-lora"
 
 
 def force_rank0_experts(model: torch.nn.Module, local: int) -> None:
@@ -117,8 +138,12 @@ def _train(model, rows, clip, step_opt):
         opt.step()
 
 
-def reference(family: str, path: str, forced: bool, ep: int):
+def reference(family: str, path: str, forced: bool, ep: int, lora: bool):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if lora:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, f"{path}-lora", is_trainable=True)
     if forced:
         force_rank0_experts(model, EXPERTS // ep)
     with torch.no_grad():
@@ -145,7 +170,7 @@ def ep_strategy(rank: int, ep: int, replicate: int | None):
     return strategy, layout, mesh
 
 
-def _run_case(rank, family, ep, replicate, forced, path):
+def _run_case(rank, family, ep, replicate, forced, lora, path):
     strategy, layout, mesh = ep_strategy(rank, ep, replicate)
     from ray_fsdp_backend.hf.models import build_causal_lm
 
@@ -164,8 +189,14 @@ def _run_case(rank, family, ep, replicate, forced, path):
     try:
         if forced:
             force_rank0_experts(model, EXPERTS // ep)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(**LORA))
         model = strategy.wrap(model)
         bytes_read = load_pretrained(model, path).bytes_read
+        if lora:
+            load_pretrained(model, f"{path}-lora")
         with torch.no_grad():
             logits = model(_batches()[0][0]).logits
         dp_rank, dp_size = layout.data_parallel_coordinates(rank)
@@ -213,10 +244,11 @@ def results(tmp_path_factory):
     for family in {case[0] for case in CASES.values()}:
         paths[family] = str(tmp_path_factory.mktemp(family))
         save_moe(family, paths[family])
+    save_adapter(paths["qwen3_moe"])
     dist_results = run_ranks(_all_cases, WORLD, CASES, paths)
     refs = {
-        name: reference(family, paths[family], forced, ep)
-        for name, (family, ep, _, forced) in CASES.items()
+        name: reference(family, paths[family], forced, ep, lora)
+        for name, (family, ep, _, forced, lora) in CASES.items()
     }
     return dist_results, refs
 

@@ -157,3 +157,21 @@ def test_plan_prints_the_expert_groups():
         "  [0, 2]",
         "  [1, 3]",
     ]
+
+
+def test_renamed_key_map_finds_per_expert_keys_under_a_prefix():
+    from ray_fsdp_backend.hf.experts import renamed_key_map
+
+    p = "base_model.model."
+    names = {
+        f"m.0.mlp.{k}": f"{p}m.0.mlp.{k}"
+        for k in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
+    }
+    key_map = renamed_key_map(names)
+    assert key_map("m.0.mlp.gate.weight") == f"{p}m.0.mlp.gate.weight"
+    assert key_map("m.0.mlp.experts.3.up_proj.weight") == f"{p}m.0.mlp.experts.3.up_proj.weight"
+    # Mixtral's checkpoint names: the router, and the experts under the fused key's prefix
+    assert key_map("m.0.block_sparse_moe.gate.weight") == f"{p}m.0.mlp.gate.weight"
+    assert key_map("m.0.block_sparse_moe.experts.1.w2.weight") == f"{p}m.0.mlp.experts.1.w2.weight"
+    assert key_map("m.1.mlp.experts.0.up_proj.weight") is None  # no such layer
+    assert key_map("other.weight") is None
