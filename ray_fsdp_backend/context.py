@@ -202,6 +202,16 @@ class TrainContext:
             start_tokens=start_tokens,
         )
 
+    def router_stats(self, model: nn.Module):
+        """A :class:`~ray_fsdp_backend.metrics.router.RouterStats` on the wrapped
+        ``model``: per-layer expert load of a mixture-of-experts model, counted
+        on the device; call its ``collect()`` on logging steps only (every rank,
+        collective) for ``{"router/layer{i}/max_over_mean": ...}`` over the
+        global batch. See docs/moe.md."""
+        from ray_fsdp_backend.metrics.router import RouterStats
+
+        return RouterStats(model)
+
     def save_checkpoint(
         self,
         model: nn.Module,

@@ -12,7 +12,9 @@ AdamW steps on per-dp-rank rows with the global clip: loss and pre-clip
 norm per step equal the one-process run on the global batch (fp32), and
 the experts' forward saw N/E experts per rank. Finally ``clip_grad_norm``
 of one more backward equals torch's ``clip_grad_norm_`` on the whole
-one-process model for norm types 2, 1 and inf.
+one-process model for norm types 2, 1 and inf, and the routers' load
+(``RouterStats``: max over mean tokens per expert, per layer) summed over the
+ranks equals the one-process count.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
 from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.metrics.router import RouterStats
 from ray_fsdp_backend.topology import topology_from_node_counts
 from tests.dist.harness import run_ranks
 
@@ -148,11 +151,12 @@ def reference(family: str, path: str, forced: bool, ep: int, lora: bool):
         force_rank0_experts(model, EXPERTS // ep)
     with torch.no_grad():
         logits = model(_batches()[0][0]).logits
+    router = RouterStats(model)
 
     def clip(max_norm, p):
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf, p)
 
-    return (logits, *_train(model, slice(None), clip, lambda loss: loss.item()))
+    return (logits, *_train(model, slice(None), clip, lambda loss: loss.item()), router.collect())
 
 
 def ep_strategy(rank: int, ep: int, replicate: int | None):
@@ -199,6 +203,7 @@ def _run_case(rank, family, ep, replicate, forced, lora, path):
             load_pretrained(model, f"{path}-lora")
         with torch.no_grad():
             logits = model(_batches()[0][0]).logits
+        router = RouterStats(model)  # the training steps: each rank routes its own rows
         dp_rank, dp_size = layout.data_parallel_coordinates(rank)
         rows = slice(dp_rank * BATCH // dp_size, (dp_rank + 1) * BATCH // dp_size)
 
@@ -210,7 +215,7 @@ def _run_case(rank, family, ep, replicate, forced, lora, path):
         def clip(max_norm, p):
             return strategy.clip_grad_norm(model, max_norm, norm_type=p)
 
-        result = _train(model, rows, clip, mean_over_ranks)
+        result = (*_train(model, rows, clip, mean_over_ranks), router.collect())
     finally:
         experts_cls.forward = original
     # every rank: ctx.mesh["ep"]'s rank is the pure layout's, and how many rows
@@ -256,12 +261,16 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_one_process(results, name):
     dist_results, refs = results
-    logits, losses, norms, clip_norms, seen, ranks = dist_results[name]
-    ref_logits, ref_losses, ref_norms, ref_clip = refs[name]
+    logits, losses, norms, clip_norms, router, seen, ranks = dist_results[name]
+    ref_logits, ref_losses, ref_norms, ref_clip, ref_router = refs[name]
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-4)
     assert clip_norms == pytest.approx(ref_clip, rel=1e-4)
+    # router load over the global batch, summed over the ranks (ctx.router_stats)
+    assert router.keys() == ref_router.keys() == {f"router/layer{i}/max_over_mean" for i in (0, 1)}
+    assert router == pytest.approx(ref_router, rel=1e-9)
+    assert all(1.0 < r <= EXPERTS for r in router.values())
     ep = CASES[name][1]
     # rank 0's experts forward held N/E experts and saw local expert ids only
     assert {shape[0] for shape, _ in seen} == {EXPERTS // ep}

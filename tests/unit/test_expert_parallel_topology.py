@@ -175,3 +175,28 @@ def test_renamed_key_map_finds_per_expert_keys_under_a_prefix():
     assert key_map("m.0.block_sparse_moe.experts.1.w2.weight") == f"{p}m.0.mlp.experts.1.w2.weight"
     assert key_map("m.1.mlp.experts.0.up_proj.weight") is None  # no such layer
     assert key_map("other.weight") is None
+
+
+class _Router(torch.nn.Module):
+    """Routes token t to experts (t % 4, 3): expert 3 takes every token."""
+
+    def forward(self, tokens):
+        index = torch.stack([tokens % 4, torch.full_like(tokens, 3)], dim=-1)
+        return torch.zeros(len(tokens), 4), torch.ones(len(tokens), 2), index
+
+
+def test_router_stats_count_on_device_and_reset():
+    from ray_fsdp_backend.metrics.router import RouterStats
+
+    layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict()})])
+    layers[0]["mlp"]["gate"] = _Router()
+    model = torch.nn.ModuleDict({"layers": layers})
+    stats = RouterStats(model)
+    assert stats.collect() == {}
+    for _ in range(2):  # counts accumulate over forwards: [2, 2, 2, 10] per 8 tokens
+        layers[0]["mlp"]["gate"](torch.arange(8))
+    assert stats.collect() == {"router/layer0/max_over_mean": 10 * 2 / 8}
+    assert stats.collect() == {}
+    stats.close()
+    layers[0]["mlp"]["gate"](torch.arange(8))
+    assert stats.collect() == {}
