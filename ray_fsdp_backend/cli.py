@@ -33,6 +33,8 @@ from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import (
     CP_AXIS,
     DATA_PARALLEL_AXES,
+    EP_AXIS,
+    EXPERT_SHARD_AXIS,
     REPLICATE_AXIS,
     SHARD_AXIS,
     TP_AXIS,
@@ -257,6 +259,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
         spec, strategy, layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
     )
     lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS))
+    lines += format_expert_groups(layout)
     if cfg.use_dmuon:  # owners span FSDP's dp_shard x cp; TP blocks are gathered over tp
         shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
         lines += format_dmuon(spec, shard, tp)
@@ -371,6 +374,26 @@ def _frozen_lines(model, size: ModelSize, shard_size: int) -> list[str]:
         f"{size.trainable_params / 1e6:,.3f}M trainable (gradients and optimizer state "
         "for these only)",
     ]
+
+
+def format_expert_groups(layout) -> list[str]:
+    """With ``expert_parallel_size > 1``: the ep groups (ranks exchanging
+    tokens) and efsdp groups (ranks sharding the same experts); docs/moe.md."""
+    ep = layout.expert_parallel_size
+    if ep == 1:
+        return []
+    lines = [
+        f"experts:  expert_parallel_size={ep}: each rank holds 1/{ep} of every MoE layer's "
+        f"experts, FSDP2-sharded over {layout.expert_shard_size} ranks"
+    ]
+    for axis, what in (
+        (EP_AXIS, "tokens to their experts by all-to-all"),
+        (EXPERT_SHARD_AXIS, "same experts: all-gather, reduce-scatter"),
+    ):
+        groups = layout.expert_groups(axis)
+        lines.append(f"{axis} groups ({len(groups)}; {what}):")
+        lines += [f"  {format_ranks(g)}" for g in groups]
+    return lines
 
 
 def format_ranks(ranks: Sequence[int]) -> str:

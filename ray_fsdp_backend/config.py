@@ -185,6 +185,17 @@ class FSDPSettings:
     divisible by 2 x cp) or ``auto`` (Ulysses when the heads allow, else ring
     on GPUs)."""
 
+    expert_parallel_size: int = 1
+    """Ranks that split the experts of every mixture-of-experts layer
+    (expert parallelism, mesh axis ``ep``). The ep ranks are carved out of the
+    data-parallel shard ranks ``dp_shard`` x ``cp`` as torchtitan does (E must
+    divide it): ep rank r holds experts ``[r*N/E, (r+1)*N/E)`` and the tokens
+    routed to them travel there by all-to-all; the experts are FSDP2-sharded
+    over the remaining ``dp_shard x cp / E`` ranks (axis ``efsdp``). Dense
+    modules, the data each rank reads and the loss rule are unchanged. 1: no
+    expert parallelism, every mesh as before. Needs ``use_fsdp``; not with
+    ``tensor_parallel_size > 1`` or ``use_dmuon``. See docs/moe.md."""
+
     loss_parallel: bool = False
     """Under tensor parallelism, keep the output head's logits split over the
     vocabulary (a DTensor) for a cross-entropy computed inside
@@ -346,6 +357,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "sequence_parallel": (bool, type(None)),
     "context_parallel_size": (int,),
     "context_parallel_backend": (str,),
+    "expert_parallel_size": (int,),
     "loss_parallel": (bool,),
     "use_dmuon": (bool,),
     "fsdp_block_classes": (tuple,),
@@ -440,6 +452,7 @@ def _check_values(cfg: FSDPSettings) -> None:
         raise ValueError("use_dmuon=True needs use_fsdp=true: DMuon runs on FSDP2 shards")
     _check_tensor_parallel(cfg)
     _check_context_parallel(cfg)
+    _check_expert_parallel(cfg)
     for key, value in cfg.nccl_env.items():
         if not (isinstance(key, str) and key.startswith(("NCCL_", "TORCH_NCCL_"))):
             raise ValueError(f"nccl_env key {key!r} must start with NCCL_ or TORCH_NCCL_")
@@ -493,6 +506,31 @@ def _check_context_parallel(cfg: FSDPSettings) -> None:
         raise ValueError(
             f"context_parallel_size={cp} needs use_fsdp=true: the cp ranks join FSDP2's shard "
             "axis (dp_shard x cp); DDP with context parallelism is not supported"
+        )
+
+
+def _check_expert_parallel(cfg: FSDPSettings) -> None:
+    ep = cfg.expert_parallel_size
+    if ep < 1:
+        raise ValueError(f"expert_parallel_size={ep!r} must be a positive int")
+    if ep == 1:
+        return
+    if not cfg.use_fsdp:
+        raise ValueError(
+            f"expert_parallel_size={ep} needs use_fsdp=true: the ep ranks are carved out of "
+            "FSDP2's shard axis (dp_shard x cp); DDP with expert parallelism is not supported"
+        )
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError(
+            f"expert_parallel_size={ep} with tensor_parallel_size="
+            f"{cfg.tensor_parallel_size} is not supported: the tp ranks share a batch and "
+            "would dispatch every token tp times; use one of the two"
+        )
+    if cfg.use_dmuon:
+        raise ValueError(
+            f"expert_parallel_size={ep} with use_dmuon=true is not supported: DMuon's owners "
+            "gather whole matrices over dp_shard, and each expert lives on one ep rank only. "
+            "Use AdamW, or expert_parallel_size=1"
         )
 
 

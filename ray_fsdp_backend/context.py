@@ -18,7 +18,7 @@ from ray_fsdp_backend.context_parallel.ring import ring_region
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard_sequence
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.peft import peft_configs
-from ray_fsdp_backend.topology import CP_AXIS, TP_AXIS, MeshLayout, Topology
+from ray_fsdp_backend.topology import CP_AXIS, EP_AXIS, TP_AXIS, MeshLayout, Topology
 
 if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint.ray_run import RunCheckpoints
@@ -87,6 +87,19 @@ class TrainContext:
         """Position in the context-parallel group (0 without CP): which part of
         each sequence this rank holds."""
         return self.layout.coordinates(self.world_rank).get(CP_AXIS, 0)
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks that split the experts (``expert_parallel_size``; 1 without EP)."""
+        return self.layout.expert_parallel_size
+
+    @property
+    def ep_rank(self) -> int:
+        """Position in the expert-parallel group (``mesh["ep"]``; 0 without EP):
+        this rank holds experts ``[ep_rank * N / ep_size, (ep_rank + 1) * N / ep_size)``."""
+        if self.ep_size == 1:
+            return 0
+        return self.layout.expert_coordinates(self.world_rank)[EP_AXIS]
 
     def wrap(self, model: nn.Module, *, tp_plan: dict | None = None) -> nn.Module:
         """Shard (FSDP2/HSDP) or replicate (DDP) ``model`` as configured; with
@@ -205,6 +218,16 @@ class TrainContext:
             start_step=start_step,
             start_tokens=start_tokens,
         )
+
+    def router_stats(self, model: nn.Module):
+        """A :class:`~ray_fsdp_backend.metrics.router.RouterStats` on the wrapped
+        ``model``: per-layer expert load of a mixture-of-experts model, counted
+        on the device; call its ``collect()`` on logging steps only (every rank,
+        collective) for ``{"router/layer{i}/max_over_mean": ...}`` over the
+        global batch. See docs/moe.md."""
+        from ray_fsdp_backend.metrics.router import RouterStats
+
+        return RouterStats(model)
 
     def save_checkpoint(
         self,

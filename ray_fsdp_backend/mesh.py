@@ -5,6 +5,13 @@ present) and the model-parallel ones (``tp``, ``cp``).
 
 Sub-meshes are slices of the one root mesh, so DTensors on them share its
 process groups (torch caches a slice's groups on the root).
+
+With ``expert_parallel_size > 1`` the root also answers ``mesh["ep"]`` (the
+ranks exchanging tokens, each holding N/ep experts), ``mesh["efsdp"]`` (the
+ranks holding the same experts, over which FSDP2 shards them) and
+``mesh["etp"]`` (size one: the ranks sharing one batch, the ``tp_mesh``
+argument of transformers' expert-parallel styles); see
+:func:`build_expert_meshes`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.topology import (
     CP_AXIS,
     DATA_PARALLEL_AXES,
+    EP_AXIS,
+    EXPERT_SHARD_AXIS,
+    EXPERT_SOURCE_AXES,
     REPLICATE_AXIS,
     SHARD_AXIS,
     TP_AXIS,
@@ -35,6 +45,10 @@ SHARD_CP_AXIS = f"{SHARD_AXIS}_{CP_AXIS}"
 (ranks of one cp group hold different sequence parts, so their gradients are
 reduced like those of different data shards)."""
 
+EXPERT_BATCH_AXIS = "etp"
+"""Size-one axis of the expert mesh: the ranks that share one batch (what
+transformers' ``EPImplementation`` takes as ``tp_mesh``)."""
+
 _logger = logging.getLogger(__name__)
 
 
@@ -46,7 +60,48 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
     one node even when the scheduler numbered a node's ranks apart.
     Collective: every rank must call it.
     """
-    return DeviceMesh(device_type, torch.tensor(layout.grid), mesh_dim_names=layout.axis_names)
+    mesh = DeviceMesh(device_type, torch.tensor(layout.grid), mesh_dim_names=layout.axis_names)
+    if layout.expert_parallel_size > 1:
+        build_expert_meshes(mesh, layout)
+    return mesh
+
+
+def build_expert_meshes(mesh: DeviceMesh, layout: MeshLayout) -> None:
+    """Split ``dp_shard`` x ``cp`` of ``mesh`` into ``(efsdp, ep, etp)`` (the
+    layout's :meth:`~ray_fsdp_backend.topology.MeshLayout.expert_coordinates`:
+    ep innermost) and make those names reachable from the root as
+    ``mesh["ep"]`` etc. Collective (creates the groups).
+
+    torch 2.13's ``_unflatten`` returns a mesh on the same root (so FSDP2 can
+    concatenate the efsdp and ep meshes of an expert parameter) but does not
+    register its axis names on the root; they are registered the way
+    ``_flatten`` registers a flattened name (the root's ``_flatten_mapping``),
+    the only place this module touches it.
+    """
+    source = tuple(a for a in EXPERT_SOURCE_AXES if a in _dims(mesh))
+    sizes = (layout.expert_shard_size, layout.expert_parallel_size, 1)
+    names = (EXPERT_SHARD_AXIS, EP_AXIS, EXPERT_BATCH_AXIS)
+    experts = flatten_axes(mesh, source)._unflatten(0, sizes, names)
+    root = mesh._get_root_mesh()
+    for name in names:
+        root._flatten_mapping[name] = experts[name]
+
+
+def expert_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards the experts over: ``efsdp``, with
+    ``dp_replicate`` before it under HSDP (the experts replicate like the
+    dense modules)."""
+    replicate = (REPLICATE_AXIS,) if REPLICATE_AXIS in _dims(mesh) else ()
+    return slice_flattened(mesh, (*replicate, EXPERT_SHARD_AXIS))
+
+
+def slice_flattened(mesh: DeviceMesh, axes: str | tuple[str, ...]) -> DeviceMesh:
+    """``mesh[axes]`` where some of ``axes`` are flattened (``dp_shard_cp``)
+    or expert names registered on the root. torch 2.13 warns that slicing
+    them from the root "will be deprecated"; it is the documented way."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[axes]
 
 
 def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
@@ -60,6 +115,7 @@ def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
         config.hsdp_uneven_nodes,
         shard_across_nodes=config.fsdp_hsdp_shard_across_nodes,
         inner_axes=model_parallel_axes(config),
+        expert_parallel_size=config.expert_parallel_size,
     )
     uneven = strategy is not None and strategy.is_hybrid and not topology.is_uniform
     if uneven and config.fsdp_hsdp_replicate_size is None:
@@ -110,11 +166,7 @@ def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     flat = flatten_axes(mesh, sharded)
     if REPLICATE_AXIS not in _dims(mesh):
         return flat
-    # torch 2.13 warns that slicing a flattened axis from the root "will be
-    # deprecated"; it is the documented way to get (dp_replicate, dp_shard_cp).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh[(REPLICATE_AXIS, "_".join(sharded))]
+    return slice_flattened(mesh, (REPLICATE_AXIS, "_".join(sharded)))
 
 
 def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:

@@ -13,6 +13,13 @@ themselves), ``cp`` (context parallel: ranks that split a sequence) and
 that a tp group is neighbouring ranks of one node. FSDP uses ``(dp_shard,)``,
 HSDP ``(dp_replicate, dp_shard)`` and DDP ``(dp_replicate,)``; model-parallel
 axes of size above one follow, e.g. ``(dp_replicate, dp_shard, tp)``.
+
+Expert parallelism adds no axis to the layout's grid: its ``ep`` ranks are
+carved out of ``dp_shard`` x ``cp`` (torchtitan's rule). The flattened
+``dp_shard`` x ``cp`` index ``f`` of a rank splits as ``efsdp = f // ep`` and
+``ep = f % ep``: an ep group is ``ep`` consecutive shard ranks, and the
+``efsdp`` ranks (same ep coordinate, one per ep group) hold the same experts
+and FSDP-shard them.
 """
 
 from __future__ import annotations
@@ -27,9 +34,17 @@ REPLICATE_AXIS = "dp_replicate"
 SHARD_AXIS = "dp_shard"
 CP_AXIS = "cp"
 TP_AXIS = "tp"
+EP_AXIS = "ep"
+EXPERT_SHARD_AXIS = "efsdp"
+"""The ranks holding the same experts (one per ep group), over which FSDP2
+shards them: ``dp_shard x cp / ep`` ranks."""
+EXPERT_AXES = (EXPERT_SHARD_AXIS, EP_AXIS)
+"""The expert view of ``dp_shard`` x ``cp``, outermost first."""
 AXIS_ORDER = (REPLICATE_AXIS, SHARD_AXIS, CP_AXIS, TP_AXIS)
 """Every mesh axis, outermost first: tp innermost so a tp group is one
 node's neighbouring ranks; cp just inside dp_shard."""
+EXPERT_SOURCE_AXES = (SHARD_AXIS, CP_AXIS)
+"""The axes expert parallelism is carved out of."""
 DATA_PARALLEL_AXES = (REPLICATE_AXIS, SHARD_AXIS)
 """The axes whose ranks read different data."""
 AXIS_CONFIG_KEYS = {CP_AXIS: "context_parallel_size", TP_AXIS: "tensor_parallel_size"}
@@ -95,12 +110,45 @@ class MeshLayout:
     axis_names: tuple[str, ...]
     shape: tuple[int, ...]
     ranks: tuple[int, ...]
+    expert_parallel_size: int = 1
+    """``ep``: how many ranks of ``dp_shard`` x ``cp`` split the experts."""
 
     def __post_init__(self) -> None:
         if len(self.axis_names) != len(self.shape) or math.prod(self.shape) != len(self.ranks):
             raise ValueError(
                 f"mesh axes {self.axis_names} {self.shape} hold {len(self.ranks)} ranks"
             )
+        ep, shard = self.expert_parallel_size, self.size(EXPERT_SOURCE_AXES)
+        if ep > 1 and (SHARD_AXIS not in self.axis_names or shard % ep):
+            raise ValueError(
+                f"expert_parallel_size={ep} must divide dp_shard x cp = {shard} (mesh "
+                f"{dict(zip(self.axis_names, self.shape, strict=True))}); allowed: "
+                f"{[d for d in range(1, shard + 1) if shard % d == 0]}"
+            )
+
+    @property
+    def expert_shard_size(self) -> int:
+        """``efsdp``: ranks holding the same experts (``dp_shard x cp / ep``)."""
+        return self.size(EXPERT_SOURCE_AXES) // self.expert_parallel_size
+
+    def expert_coordinates(self, rank: int) -> dict[str, int]:
+        """``rank``'s ``efsdp`` and ``ep`` indices (ep rank r holds experts
+        ``[r*N/ep, (r+1)*N/ep)``)."""
+        flat, _ = self.flat_coordinate(rank, EXPERT_SOURCE_AXES)
+        efsdp, ep = divmod(flat, self.expert_parallel_size)
+        return {EXPERT_SHARD_AXIS: efsdp, EP_AXIS: ep}
+
+    def expert_groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """The rank groups along ``ep`` (ranks exchanging tokens) or ``efsdp``
+        (ranks sharding the same experts), each ordered by that axis."""
+        other = EP_AXIS if axis == EXPERT_SHARD_AXIS else EXPERT_SHARD_AXIS
+        by_rest: dict[tuple, list[tuple[int, int]]] = {}
+        for rank in self.ranks:
+            coords = self.coordinates(rank)
+            expert = self.expert_coordinates(rank)
+            rest = tuple(v for a, v in coords.items() if a not in EXPERT_SOURCE_AXES)
+            by_rest.setdefault((*rest, expert[other]), []).append((expert[axis], rank))
+        return tuple(tuple(r for _, r in sorted(g)) for g in by_rest.values())
 
     @property
     def grid(self) -> tuple:
@@ -211,6 +259,7 @@ def compute_mesh_layout(
     *,
     shard_across_nodes: bool = False,
     inner_axes: Sequence[tuple[str, int]] = (),
+    expert_parallel_size: int = 1,
 ) -> MeshLayout:
     """The mesh for a strategy on a cluster; ``strategy=None`` means DDP.
 
@@ -231,13 +280,16 @@ def compute_mesh_layout(
     each inside one node, and ``full_shard`` uses a 1-D mesh over all ranks.
 
     An explicit ``replicate_size`` whose ``dp_shard`` groups would span nodes
-    is refused unless ``shard_across_nodes``.
+    is refused unless ``shard_across_nodes``. ``expert_parallel_size`` is
+    recorded on the layout (it splits ``dp_shard`` x ``cp``, see the module
+    docstring).
 
     Raises:
         ValueError: inner axes that do not tile every node, HSDP on unequal
             nodes under ``uneven_nodes="error"``, a ``replicate_size`` that
-            does not divide the data-parallel size, or shard groups that leave
-            a node without ``shard_across_nodes``.
+            does not divide the data-parallel size, shard groups that leave
+            a node without ``shard_across_nodes``, or an
+            ``expert_parallel_size`` that does not divide ``dp_shard x cp``.
     """
     inner = tuple((name, size) for name, size in inner_axes if size > 1)
     block = _check_inner_axes(topology, inner)
@@ -249,6 +301,7 @@ def compute_mesh_layout(
         axis_names=names + tuple(n for n, _ in inner),
         shape=shape + tuple(s for _, s in inner),
         ranks=tuple(r for slot in grid for r in order[slot * block : (slot + 1) * block]),
+        expert_parallel_size=expert_parallel_size,
     )
     if REPLICATE_AXIS in names and SHARD_AXIS in names and not shard_across_nodes:
         _check_shard_groups_in_nodes(topology, layout.groups(SHARD_AXIS), shape[0])

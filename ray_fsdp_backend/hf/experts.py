@@ -10,12 +10,19 @@ a plan (pure: key names and shapes), so that the reader can read, per rank,
 only the experts of the rows it owns. Covered: the Qwen2-MoE family
 (``gate_proj``/``up_proj``/``down_proj``; Qwen3-MoE, DeepSeek, GLM-MoE ...)
 and Mixtral (``block_sparse_moe.experts.{e}.w1/w3/w2``).
+
+:func:`split_experts` is the export direction: the fused tensors back to the
+per-expert keys ``save_pretrained`` writes.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend.hf.entries import ExpertsEntry, TensorEntry
 
@@ -24,7 +31,8 @@ _FUSED = {
     "experts.gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
     "experts.down_proj": (("down_proj",), ("w2",)),
 }
-_MIXTRAL_PREFIX = re.compile(r"\.block_sparse_moe\.")
+_MIXTRAL_BLOCK = ".block_sparse_moe."
+_MIXTRAL_PREFIX = re.compile(re.escape(_MIXTRAL_BLOCK))
 
 
 def fuse_experts(
@@ -53,6 +61,36 @@ def fuse_experts(
     return out
 
 
+def renamed_key_map(names: Mapping[str, str]) -> Callable[[str], str | None]:
+    """Checkpoint key -> model key, for a model whose names are the
+    checkpoint's under another prefix (PEFT's ``base_model.model.``):
+    ``names`` maps the checkpoint form of every model key to the key. A
+    per-expert checkpoint key (``...mlp.experts.3.gate_proj.weight``,
+    Mixtral's ``...block_sparse_moe.experts.3.w1.weight``), which no model
+    key names, gets the prefix of its layer's fused key, so that
+    :func:`fuse_experts` finds it; Mixtral's ``block_sparse_moe.gate`` maps
+    like ``mlp.gate``. Other keys: ``names`` or None."""
+    layers: dict[str, str] = {}
+    for ckpt, key in names.items():
+        suffix = next((s for s in _FUSED if ckpt.endswith(s)), None)
+        if suffix is not None:
+            layers[ckpt[: -len(suffix)]] = key[: -len(suffix)]
+
+    def key_map(key: str) -> str | None:
+        plain = _MIXTRAL_PREFIX.sub(".mlp.", key)
+        if plain in names:
+            return names[plain]
+        match = _PER_EXPERT.match(plain)
+        if match is None or match.group(1) not in layers:
+            return None
+        return layers[match.group(1)] + plain[len(match.group(1)) :]
+
+    return key_map
+
+
+_PER_EXPERT = re.compile(r"(.*\.)experts\.\d+\.")
+
+
 def _expert_parts(by_name, prefix: str, names: tuple[str, ...]):
     parts = []
     while all(f"{prefix}experts.{len(parts)}.{n}.weight" in by_name for n in names):
@@ -65,3 +103,30 @@ def _fused_entry(parts) -> ExpertsEntry:
     rows = sum(e.shape[0] for e in first)
     shape = (len(parts), rows, *first[0].shape[1:])
     return ExpertsEntry(parts=parts, dtype=first[0].dtype, shape=shape)
+
+
+def split_experts(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` with every fused experts tensor replaced by one tensor per
+    expert under the names ``save_pretrained`` writes for ``model``'s
+    ``config.model_type`` (Mixtral: ``block_sparse_moe.experts.{e}.w1.weight`` and its router under
+    ``block_sparse_moe.gate``; others ``mlp.experts.{e}.gate_proj.weight``).
+    Order is kept; other keys are untouched. A DTensor (FSDP2, expert
+    parallel) is gathered whole first: collective, every rank calls it, and
+    each rank then holds the layer's experts in full while they are written."""
+    config = getattr(model, "config", None)
+    family = 1 if getattr(config, "model_type", None) == "mixtral" else 0
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        suffix = next((s for s in _FUSED if key.endswith(s)), None)
+        if family:
+            key = key.replace(".mlp.", _MIXTRAL_BLOCK)
+        if suffix is None:
+            out[key] = value
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        names = _FUSED[suffix][family]
+        prefix = key[: -len(suffix)]
+        for e, expert in enumerate(full.detach()):
+            for name, part in zip(names, expert.chunk(len(names)), strict=True):
+                out[f"{prefix}experts.{e}.{name}.weight"] = part
+    return out

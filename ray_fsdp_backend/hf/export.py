@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ray_fsdp_backend.collectives import broadcast_from_rank0
 from ray_fsdp_backend.filesystem import resolve_filesystem
+from ray_fsdp_backend.hf.experts import split_experts
 from ray_fsdp_backend.hf.keys import export_keys
 from ray_fsdp_backend.hf.load import loaded_from
 from ray_fsdp_backend.hf.peft_export import export_peft, merge_adapters
@@ -127,6 +128,7 @@ def export_hf(
     state = {k: state[k] for k in export_keys(inner, state)}
     if is_peft_model(inner):  # adapters merged into the base, under the base's names
         state = merge_adapters(inner, state)
+    state = split_experts(state, inner)  # per-expert keys, as save_pretrained writes them
     files = _plan(state, dtype, parse_size(max_shard_size))
     fs.create_dir(root, recursive=True)  # on object storage: a no-op or a marker
     check_shared(fs, root, uri)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 from torch import nn
 
+from ray_fsdp_backend.hf.experts import renamed_key_map
 from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
 from ray_fsdp_backend.strategies.peft import peft_configs, tuner_layers, unwrap
 
@@ -110,7 +111,7 @@ def resolve_peft_load(
     config = posixpath.join(root, ADAPTER_CONFIG)
     if fs.get_file_info(config).type != pafs.FileType.File:
         base = {ckpt: key for key, ckpt in names.base.items()}
-        return PeftLoad(root, base.get, set(names.base), fills_base=True)
+        return PeftLoad(root, renamed_key_map(base), set(names.base), fills_base=True)
     with fs.open_input_stream(config) as f:
         saved = json.loads(f.read())
     adapter = check_adapter_config(model, saved, where=root)

@@ -34,7 +34,7 @@ from ray_fsdp_backend.context_parallel.apply import (
     attention_heads,
     check_context_parallel,
 )
-from ray_fsdp_backend.mesh import data_parallel_mesh, tensor_parallel_mesh
+from ray_fsdp_backend.mesh import data_parallel_mesh, expert_shard_mesh, tensor_parallel_mesh
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
     apply_activation_checkpointing,
@@ -43,6 +43,7 @@ from ray_fsdp_backend.strategies.blocks import (
     has_meta_tensors,
     materialize_meta_module,
 )
+from ray_fsdp_backend.strategies.expert_parallel import apply_expert_parallel, shard_experts
 from ray_fsdp_backend.strategies.peft import is_peft_model
 from ray_fsdp_backend.topology import CP_AXIS
 
@@ -63,6 +64,15 @@ class FSDPPolicy:
     @property
     def offloads(self) -> bool:
         return isinstance(self.offload_policy, CPUOffloadPolicy)
+
+    @property
+    def kwargs(self) -> dict:
+        """The ``fully_shard`` keyword arguments besides the mesh."""
+        return dict(
+            mp_policy=self.mp_policy,
+            offload_policy=self.offload_policy,
+            reshard_after_forward=self.reshard_after_forward,
+        )
 
 
 def resolve_fsdp_policy(config: FSDPSettings, device: torch.device) -> FSDPPolicy:
@@ -103,12 +113,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, policy: FSDPPoli
             "names of its repeated blocks.",
             type(model).__name__,
         )
-    kwargs = dict(
-        mesh=mesh,
-        mp_policy=policy.mp_policy,
-        offload_policy=policy.offload_policy,
-        reshard_after_forward=policy.reshard_after_forward,
-    )
+    kwargs = dict(mesh=mesh, **policy.kwargs)
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -229,6 +234,7 @@ class FSDPStrategy(DistributionStrategy):
         (the seed's adapter interface), else with the per-block policy; then
         materialise it if it was built on the meta device."""
         policy = resolve_fsdp_policy(self.config, self.device)
+        experts = self._apply_expert_parallel(model)
         if self.config.context_parallel_size > 1:
             self.apply_context_parallel(model)
         if self.config.compiles_on(self.device.type):
@@ -251,12 +257,30 @@ class FSDPStrategy(DistributionStrategy):
                 apply_activation_checkpointing(model, blocks)
             if not has_meta_tensors(model):
                 model.to(self.device)
+            if experts:
+                shard_experts(
+                    experts, expert_shard_mesh(self.mesh), self.dp_mesh.size(), **policy.kwargs
+                )
             model = apply_fsdp(model, blocks, self.dp_mesh, policy)
         if has_meta_tensors(model):
             # Offloaded shards live on the host; FSDP2 moves them per use.
             param_device = "cpu" if policy.offloads else self.device
             materialize_meta_module(model, param_device, buffer_device=self.device)
         return model
+
+    def _apply_expert_parallel(self, model: nn.Module) -> list[nn.Module]:
+        """With ``expert_parallel_size > 1``, split the experts over ``ep`` and
+        install the token dispatch (docs/moe.md); returns the experts modules
+        to shard over ``efsdp`` (none without EP)."""
+        ep = self.config.expert_parallel_size
+        if ep == 1:
+            return []
+        if callable(getattr(model, "convert_to_fsdp", None)):
+            raise ValueError(
+                f"expert_parallel_size={ep}: {type(model).__name__} shards itself through "
+                "convert_to_fsdp, which takes no ep mesh; wrap a model without that hook"
+            )
+        return apply_expert_parallel(model, self.mesh, ep)
 
     def apply_context_parallel(self, model: nn.Module) -> None:
         """Swap ``model``'s attention for Ulysses or ring over the mesh's cp

@@ -1,0 +1,75 @@
+"""Router statistics of a mixture-of-experts model: how evenly each MoE
+layer's router spreads tokens over its experts.
+
+:class:`RouterStats` hooks every router (``mlp.gate``, whose output is
+transformers' ``(router_logits, top_k_weights, top_k_index)``) and counts,
+on the device, the (token, expert) pairs each expert is picked for: no host
+sync between logging steps. :meth:`RouterStats.collect`, called on logging
+steps only, sums the counts over all ranks (the global batch: every rank
+routes its own tokens) and returns each layer's load imbalance, the busiest
+expert's count over the mean count (1.0: perfectly even; with E experts at
+most E). A ratio is kept rather than raw counts because a forward that runs
+twice (activation checkpointing recomputes it in backward) doubles every
+count alike.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class RouterStats:
+    """Per-layer expert load of ``model``'s routers since the last
+    :meth:`collect` (see the module docstring). Build it once after
+    ``ctx.wrap``; :meth:`close` removes the hooks."""
+
+    def __init__(self, model: nn.Module):
+        self._counts: dict[str, torch.Tensor] = {}
+        self._handles = [
+            module.register_forward_hook(self._counter(_label(name)))
+            for name, module in model.named_modules()
+            if name.endswith("mlp.gate")
+        ]
+
+    def _counter(self, label: str):
+        def hook(module, inputs, output) -> None:
+            logits, _, index = output
+            counts = torch.bincount(index.detach().flatten(), minlength=logits.shape[-1])
+            previous = self._counts.get(label)
+            self._counts[label] = counts if previous is None else previous + counts
+
+        return hook
+
+    def collect(self) -> dict[str, float]:
+        """``{"router/layer{i}/max_over_mean": ratio}`` over the global batch
+        since the last call, then start counting afresh. Collective when a
+        process group is initialised (one all-reduce, one host sync); every
+        rank must call it at the same step. Empty when nothing was routed."""
+        if not self._counts:
+            return {}
+        labels = sorted(self._counts, key=lambda s: int(s) if s.isdigit() else -1)
+        counts = torch.stack([self._counts[label] for label in labels]).double()
+        self._counts.clear()
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        ratios = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)
+        return {
+            f"router/layer{label}/max_over_mean": r
+            for label, r in zip(labels, ratios.tolist(), strict=True)
+        }
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _label(name: str) -> str:
+    match = _LAYER.search(name)
+    return match.group(1) if match else name

@@ -1,0 +1,202 @@
+"""Expert parallelism's pure parts: the ep / efsdp groups carved out of
+dp_shard x cp, the config refusals, and the ep plan's refusals (no worker,
+no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_fsdp_backend.config import FSDPSettings, ShardingStrategy
+from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.topology import compute_mesh_layout, topology_from_node_counts
+
+FULL, HYBRID = ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD
+
+
+def _layout(nodes, strategy=FULL, ep=1, **kwargs):
+    return compute_mesh_layout(
+        strategy, topology_from_node_counts(nodes), expert_parallel_size=ep, **kwargs
+    )
+
+
+def test_ep_one_leaves_the_layout_unchanged():
+    for nodes, strategy in (([4], FULL), ([2, 2], HYBRID)):
+        assert _layout(nodes, strategy) == compute_mesh_layout(
+            strategy, topology_from_node_counts(nodes)
+        )
+    assert _layout([4]).expert_groups("ep") == ((0,), (1,), (2,), (3,))
+
+
+@pytest.mark.parametrize(
+    ("nodes", "strategy", "ep", "inner", "ep_groups", "efsdp_groups"),
+    [
+        ([4], FULL, 2, (), ((0, 1), (2, 3)), ((0, 2), (1, 3))),
+        ([4], FULL, 4, (), ((0, 1, 2, 3),), ((0,), (1,), (2,), (3,))),
+        ([2, 2], HYBRID, 2, (), ((0, 1), (2, 3)), ((0,), (1,), (2,), (3,))),
+        ([4, 4], HYBRID, 2, (), ((0, 1), (2, 3), (4, 5), (6, 7)), ((0, 2), (1, 3), (4, 6), (5, 7))),
+        # cp inside dp_shard: an ep group of 4 takes two dp_shard ranks' cp pairs
+        (
+            [8],
+            FULL,
+            4,
+            (("cp", 2),),
+            ((0, 1, 2, 3), (4, 5, 6, 7)),
+            ((0, 4), (1, 5), (2, 6), (3, 7)),
+        ),
+    ],
+)
+def test_expert_groups(nodes, strategy, ep, inner, ep_groups, efsdp_groups):
+    layout = _layout(nodes, strategy, ep, inner_axes=inner)
+    assert layout.expert_groups("ep") == ep_groups
+    assert layout.expert_groups("efsdp") == efsdp_groups
+    assert layout.expert_shard_size == len(efsdp_groups[0])
+    for group in ep_groups:  # ep rank r at position r of its group
+        assert [layout.expert_coordinates(r)["ep"] for r in group] == list(range(ep))
+    # EP changes no data coordinate
+    plain = _layout(nodes, strategy, 1, inner_axes=inner)
+    for rank in layout.ranks:
+        assert layout.data_parallel_coordinates(rank) == plain.data_parallel_coordinates(rank)
+
+
+def test_ep_not_dividing_shard_x_cp_is_refused_before_workers():
+    config = FSDPSettings(use_fsdp=True, expert_parallel_size=3)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 must divide dp_shard x cp = 4"):
+        resolve_layout(config, topology_from_node_counts([4]))
+    hsdp = FSDPSettings(
+        use_fsdp=True, fsdp_sharding_strategy="hybrid_shard", expert_parallel_size=4
+    )
+    with pytest.raises(ValueError, match=r"dp_shard x cp = 2 .*allowed: \[1, 2\]"):
+        resolve_layout(hsdp, topology_from_node_counts([2, 2]))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (dict(expert_parallel_size=0), "expert_parallel_size=0 must be a positive int"),
+        (dict(expert_parallel_size=2), "expert_parallel_size=2 needs use_fsdp=true"),
+        (
+            dict(use_fsdp=True, expert_parallel_size=2, tensor_parallel_size=2),
+            "tensor_parallel_size=2 is not supported",
+        ),
+        (
+            dict(use_fsdp=True, expert_parallel_size=2, use_dmuon=True),
+            "use_dmuon=true is not supported",
+        ),
+        (dict(use_fsdp=True, expert_parallel_size=True), "expert_parallel_size=True has type bool"),
+    ],
+)
+def test_config_refusals(values, message):
+    with pytest.raises(ValueError, match=message):
+        FSDPSettings.from_dict(values)
+
+
+def test_yaml_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("distributed:\n  use_fsdp: true\n  expert_parallel_size: 2\n")
+    assert FSDPSettings.from_yaml(path).expert_parallel_size == 2
+    assert FSDPSettings().expert_parallel_size == 1
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_ep_plan_expands_and_refuses():
+    transformers = pytest.importorskip("transformers")
+    from ray_fsdp_backend.strategies.expert_parallel import resolve_ep_plan
+
+    moe = _meta_model(
+        transformers.Qwen3MoeConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_experts=6,
+            moe_intermediate_size=8,
+        )
+    )
+    plan = resolve_ep_plan(moe, 2)
+    assert plan["model.layers.1.mlp.experts"] == "ep_dispatch_experts"
+    assert plan["model.layers.0.mlp.experts.gate_up_proj"] == "grouped_gemm"
+    assert len(plan) == 6
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_size=4 must divide the expert count .*6 experts"
+    ):
+        resolve_ep_plan(moe, 4)
+    dense = _meta_model(
+        transformers.LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_size=2: LlamaForCausalLM has no experts"
+    ):
+        resolve_ep_plan(dense, 2)
+
+
+def test_plan_prints_the_expert_groups():
+    from ray_fsdp_backend.cli import format_expert_groups
+
+    assert format_expert_groups(_layout([4])) == []
+    assert format_expert_groups(_layout([4], ep=2)) == [
+        "experts:  expert_parallel_size=2: each rank holds 1/2 of every MoE layer's experts, "
+        "FSDP2-sharded over 2 ranks",
+        "ep groups (2; tokens to their experts by all-to-all):",
+        "  [0, 1]",
+        "  [2, 3]",
+        "efsdp groups (2; same experts: all-gather, reduce-scatter):",
+        "  [0, 2]",
+        "  [1, 3]",
+    ]
+
+
+def test_renamed_key_map_finds_per_expert_keys_under_a_prefix():
+    from ray_fsdp_backend.hf.experts import renamed_key_map
+
+    p = "base_model.model."
+    names = {
+        f"m.0.mlp.{k}": f"{p}m.0.mlp.{k}"
+        for k in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
+    }
+    key_map = renamed_key_map(names)
+    assert key_map("m.0.mlp.gate.weight") == f"{p}m.0.mlp.gate.weight"
+    assert key_map("m.0.mlp.experts.3.up_proj.weight") == f"{p}m.0.mlp.experts.3.up_proj.weight"
+    # Mixtral's checkpoint names: the router, and the experts under the fused key's prefix
+    assert key_map("m.0.block_sparse_moe.gate.weight") == f"{p}m.0.mlp.gate.weight"
+    assert key_map("m.0.block_sparse_moe.experts.1.w2.weight") == f"{p}m.0.mlp.experts.1.w2.weight"
+    assert key_map("m.1.mlp.experts.0.up_proj.weight") is None  # no such layer
+    assert key_map("other.weight") is None
+
+
+class _Router(torch.nn.Module):
+    """Routes token t to experts (t % 4, 3): expert 3 takes every token."""
+
+    def forward(self, tokens):
+        index = torch.stack([tokens % 4, torch.full_like(tokens, 3)], dim=-1)
+        return torch.zeros(len(tokens), 4), torch.ones(len(tokens), 2), index
+
+
+def test_router_stats_count_on_device_and_reset():
+    from ray_fsdp_backend.metrics.router import RouterStats
+
+    layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict()})])
+    layers[0]["mlp"]["gate"] = _Router()
+    model = torch.nn.ModuleDict({"layers": layers})
+    stats = RouterStats(model)
+    assert stats.collect() == {}
+    for _ in range(2):  # counts accumulate over forwards: [2, 2, 2, 10] per 8 tokens
+        layers[0]["mlp"]["gate"](torch.arange(8))
+    assert stats.collect() == {"router/layer0/max_over_mean": 10 * 2 / 8}
+    assert stats.collect() == {}
+    stats.close()
+    layers[0]["mlp"]["gate"](torch.arange(8))
+    assert stats.collect() == {}
