@@ -380,8 +380,6 @@ def format_ranks(ranks: Sequence[int]) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(["logging.verbose=true"] if args.verbose else [])]
     spec = build_spec(absolute_tensorboard_dir(apply_overrides(load_yaml(args.config), overrides)))
-    if isinstance(spec.model, PretrainedModelConfig):
-        spec.model.check_lora_targets()  # on the driver, before any Ray resource is used
     name = spec.run.name or f"{_stem(args.config)}-{time.strftime('%Y%m%d-%H%M%S')}"
     result = run_training(spec, name)
     history = result.return_value or []

@@ -8,11 +8,14 @@
 - :mod:`.load`: :func:`load_pretrained`, checks before any weight is read.
 - :mod:`.export`, :mod:`.writer`: :func:`export_model`, full weights in
   Hugging Face layout (or one safetensors file) from sharded state.
+- :mod:`.check`: :func:`check_pretrained`, a checkpoint's existence and LoRA
+  targets, from the driver before anything starts.
 - :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
 """
 
+from ray_fsdp_backend.hf.check import check_pretrained
 from ray_fsdp_backend.hf.export import export_model
 from ray_fsdp_backend.hf.load import load_pretrained
 from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
 
-__all__ = ["PretrainedCheckpointError", "export_model", "load_pretrained"]
+__all__ = ["PretrainedCheckpointError", "check_pretrained", "export_model", "load_pretrained"]

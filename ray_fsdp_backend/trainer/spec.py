@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from ray_fsdp_backend.backend import FSDPConfig
+from ray_fsdp_backend.config import unknown_key_message
 from ray_fsdp_backend.elastic import elastic_world_sizes, worker_range
 from ray_fsdp_backend.trainer.model import ModelConfig
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
@@ -305,11 +306,11 @@ _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_i
 _OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard"}
 
 
-def _build_options(cls: type, values: Mapping[str, Any]) -> Any:
+def _build_options(cls: type, section: str, values: Mapping[str, Any]) -> Any:
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in values if k not in known]
     if unknown:
-        raise ValueError(f"unknown key(s) {unknown}; valid keys: {', '.join(known)}")
+        raise ValueError("; ".join(unknown_key_message(k, known, section) for k in unknown))
     for key, value in values.items():
         _check_option(key, value)
     return cls(**dict(values))
@@ -346,18 +347,18 @@ def _check_option(key: str, value: Any) -> None:
             raise ValueError(f"resources_per_worker={value!r} must map resource names to numbers")
 
 
-def _options_builder(cls: type) -> Callable[[Mapping[str, Any]], Any]:
-    return lambda values: _build_options(cls, values)
+def _options_builder(cls: type, section: str) -> Callable[[Mapping[str, Any]], Any]:
+    return lambda values: _build_options(cls, section, values)
 
 
 _BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
     "distributed": (FSDPConfig, FSDPConfig.from_dict),
     "model": (ModelConfig, build_model_section),
-    "train": (TrainOptions, _options_builder(TrainOptions)),
-    "data": (DataOptions, _options_builder(DataOptions)),
-    "scaling": (ScalingOptions, _options_builder(ScalingOptions)),
-    "run": (RunOptions, _options_builder(RunOptions)),
-    "logging": (LoggingOptions, _options_builder(LoggingOptions)),
+    "train": (TrainOptions, _options_builder(TrainOptions, "train")),
+    "data": (DataOptions, _options_builder(DataOptions, "data")),
+    "scaling": (ScalingOptions, _options_builder(ScalingOptions, "scaling")),
+    "run": (RunOptions, _options_builder(RunOptions, "run")),
+    "logging": (LoggingOptions, _options_builder(LoggingOptions, "logging")),
 }
 """Each section's dataclass and the function that builds it from a mapping."""
 
@@ -377,6 +378,8 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     errors += tensor_parallel_errors(dist, model, data)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
+    if isinstance(model, PretrainedModelConfig):
+        errors += model.check()  # the checkpoint exists, LoRA targets match: before Ray starts
     if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
         errors.append("model.pretrained trains on data.source='corpus' (its tokenizer's ids)")
     if data is not None and data.source == "ray_data" and data.path is None:
