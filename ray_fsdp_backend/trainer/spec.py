@@ -73,7 +73,9 @@ class TrainOptions:
     optimizer: str = "adamw"
     """``adamw``, or ``muon`` (needs ``distributed.use_dmuon: true``)."""
     log_every: int = 10
-    """Steps between progress lines and ``ray.train.report`` calls."""
+    """Steps between logged metrics (progress line, ``metrics.jsonl``,
+    TensorBoard); Ray gets a report only with a checkpoint and after the last
+    step, so logging every step costs no waiting on Ray."""
     checkpoint_every: int = 0
     """Steps between checkpoints (model, optimizer, step, data position); 0: none."""
     checkpoint_async: bool = False
@@ -140,8 +142,9 @@ class LoggingOptions:
     by rank 0); a relative path is taken from where ``ray-fsdp`` runs. None:
     no TensorBoard."""
     verbose: bool = False
-    """Show Ray Train's per-report "Reporting training result" lines
-    (``ray-fsdp train -v`` sets it)."""
+    """Show everything on the console: Ray Train's per-report lines, Ray
+    Data's progress bars, the library warnings the trainer quietens
+    (``ray-fsdp train -v`` sets it; docs/monitoring.md)."""
 
 
 @dataclass(frozen=True)
