@@ -470,10 +470,6 @@ def run_training(spec: RunSpec, name: str):
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
-            # Ray 2.60 turns token authentication on for a new local cluster
-            # and warns that it did so when RAY_AUTH_MODE is unset: choose the
-            # same mode explicitly (a user's own setting wins).
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
             # address="local" starts a fresh cluster: never join a stale one by
             # accident. Give it a CPU beyond the workers' (logical) so Ray Data
             # tasks can run beside them on a 2-core machine instead of waiting.
