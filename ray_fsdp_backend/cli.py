@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ray_fsdp_backend.elastic import describe_split, elastic_world_sizes, worker_range
+from ray_fsdp_backend.elastic import elastic_world_sizes, split_global_batch, worker_range
 from ray_fsdp_backend.memory import (
     ModelSize,
     estimate_activations,
@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-v",
         "--verbose",
         action="store_true",
-        help="also show Ray Train's per-report lines (logging.verbose=true)",
+        help="show everything: Ray Train's per-report lines, Ray Data's progress bars, "
+        "library warnings (logging.verbose=true)",
     )
     _add_set(train)
     train.set_defaults(handler=cmd_train)
@@ -224,7 +225,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
         name += " (HSDP)"
     if cfg.use_dmuon:
         name += " + DMuon"
-    shape = ", ".join(f"{a}={s}" for a, s in zip(layout.axis_names, layout.shape, strict=True))
+    shape = ", ".join(f"{a}={n}" for a, n in shown_axes(layout))
     lines = [
         f"strategy: {name}",
         f"cluster:  {_describe_nodes(node_counts)} = {world} ranks",
@@ -236,34 +237,78 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
             f"note:     scaling.num_workers={spec.scaling.num_workers}; train this layout with "
             f"--set scaling.num_workers={world}"
         )
-    if spec.train.global_batch_size is not None:
-        train = spec.train
-        lines.append(
-            f"batch:    {describe_split(train.global_batch_size, dp_size, train.micro_batch_size)}"
-        )
-    for axis, what in (
-        (TP_AXIS, "each layer's matrices split among these ranks; same batch"),
-        (CP_AXIS, "each sequence split among these ranks; same batch"),
-        (SHARD_AXIS, "parameters split among these ranks: all-gather, reduce-scatter"),
-        (REPLICATE_AXIS, "same parameters on each rank: gradients all-reduced"),
-    ):
-        if axis in layout.axis_names:
-            groups = layout.groups(axis)
-            if len(groups[0]) == 1:
-                lines.append(f"{axis} groups: {len(groups)} of one rank each (nothing to reduce)")
-                continue
-            lines.append(f"{axis} groups ({len(groups)}; {what}):")
-            lines += [f"  {format_ranks(g)}" for g in groups]
+    batch, micro = format_batch(spec, dp_size, world)
+    lines.append(f"batch:    {batch}")
+    lines += format_groups(layout)
     # FSDP2 shards over dp_shard x cp (the cp ranks hold different tokens).
     lines += format_memory(
         spec, strategy, layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
     )
-    lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS))
+    lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
     lines += format_expert_groups(layout)
     if cfg.use_dmuon:  # owners span FSDP's dp_shard x cp; TP blocks are gathered over tp
         shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
         lines += format_dmuon(spec, shard, tp)
     return "\n".join(lines)
+
+
+def format_batch(spec: RunSpec, dp_size: int, world: int) -> tuple[str, int]:
+    """The batch line and the micro-batch each rank runs: the split of
+    ``train.global_batch_size`` over ``dp_size``, or ``micro_batch_size x
+    grad_accum x dp``, which tp / cp ranks do not multiply (they share rows)."""
+    train = spec.train
+    if train.global_batch_size is not None:
+        try:
+            split = split_global_batch(train.global_batch_size, dp_size, train.micro_batch_size)
+        except ValueError as exc:
+            return f"refused: {exc}", train.micro_batch_size
+        return split.describe(), split.micro_batch_size
+    total = train.micro_batch_size * train.grad_accum * dp_size
+    text = (
+        f"global batch {total} = micro-batch {train.micro_batch_size} x {train.grad_accum} "
+        f"accumulation step(s) x {dp_size} dp rank(s)"
+    )
+    if world > dp_size:
+        text += (
+            f" ({world // dp_size} tp x cp ranks share each row; "
+            "set train.global_batch_size to keep a batch across layouts)"
+        )
+    return text, train.micro_batch_size
+
+
+def shown_axes(layout) -> list[tuple[str, int]]:
+    """The mesh's axes as ``plan`` prints them: the layout keeps a lone
+    data-parallel axis of size one beside model-parallel axes (the mesh needs
+    one), which the printout leaves out like every size-one axis: tp 8 on 8
+    ranks reads ``(tp=8)``. HSDP's two data-parallel axes are both shown."""
+    axes = list(zip(layout.axis_names, layout.shape, strict=True))
+    dp = [a for a, _ in axes if a in DATA_PARALLEL_AXES]
+    hidden = {a for a, n in axes if n == 1 and len(dp) == 1 and a in dp and len(axes) > 1}
+    return [(a, n) for a, n in axes if a not in hidden]
+
+
+def format_groups(layout) -> list[str]:
+    """Each axis's rank groups and what crosses them. Under cp, FSDP2 shards
+    parameters over dp_shard x cp, so those are the groups shown as split."""
+    cp = layout.axis_size(CP_AXIS) if CP_AXIS in layout.axis_names else 1
+    shard_axes = (SHARD_AXIS, CP_AXIS) if cp > 1 else (SHARD_AXIS,)
+    lines = []
+    for axes, what in (
+        ((TP_AXIS,), "each layer's matrices split among these ranks; same batch"),
+        ((CP_AXIS,), "each sequence split among these ranks; same batch"),
+        (shard_axes, "parameters split among these ranks: all-gather, reduce-scatter"),
+        ((REPLICATE_AXIS,), "same parameters on each rank: gradients all-reduced"),
+    ):
+        if not all(a in dict(shown_axes(layout)) for a in axes):
+            continue
+        label = " x ".join(axes)
+        groups = layout.groups(axes)
+        if len(groups[0]) == 1:
+            lines.append(f"{label} groups: {len(groups)} of one rank each (nothing to reduce)")
+            continue
+        lines.append(f"{label} groups ({len(groups)}; {what}):")
+        lines += [f"  {format_ranks(g)}" for g in groups]
+    return lines
 
 
 def format_dmuon(spec: RunSpec, shard_size: int, tp: int = 1) -> list[str]:
@@ -336,13 +381,14 @@ def format_memory(spec: RunSpec, strategy, shard_size: int, tp: int = 1) -> list
     return lines
 
 
-def format_activations(spec: RunSpec, cp: int, tp: int) -> list[str]:
-    """Activation memory per rank for one micro-batch of the byte-level
-    decoder (a pretrained model's shape is read only on the workers)."""
+def format_activations(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list[str]:
+    """Activation memory per rank for one micro-batch of ``micro_batch``
+    rows (the one the batch line prints) of the byte-level decoder (a
+    pretrained model's shape is read only on the workers)."""
     model, cfg = spec.model, spec.distributed
     if not isinstance(model, ModelConfig):
         return []
-    shape = model.activation_shape(spec.train.micro_batch_size)
+    shape = model.activation_shape(micro_batch)
     value_bytes = 2 if cfg.use_mixed_precision else 4
     kwargs = dict(
         cp=cp,
@@ -356,7 +402,7 @@ def format_activations(spec: RunSpec, cp: int, tp: int) -> list[str]:
     flash = estimate_activations(shape, attention_scores=False, **kwargs)
     split = f", sequence split over cp={cp}" if cp > 1 else ""
     return [
-        f"activations per rank, one micro-batch of {spec.train.micro_batch_size} x "
+        f"activations per rank, one micro-batch of {micro_batch} x "
         f"{model.seq_len} tokens{split} (estimate):",
         f"  {format_bytes(with_scores):>10}  kernels that keep attention scores (CPU)",
         f"  {format_bytes(flash):>10}  flash / memory-efficient attention (GPU)",
@@ -410,8 +456,6 @@ def format_ranks(ranks: Sequence[int]) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(["logging.verbose=true"] if args.verbose else [])]
     spec = build_spec(absolute_tensorboard_dir(apply_overrides(load_yaml(args.config), overrides)))
-    if isinstance(spec.model, PretrainedModelConfig):
-        spec.model.check_lora_targets()  # on the driver, before any Ray resource is used
     name = spec.run.name or f"{_stem(args.config)}-{time.strftime('%Y%m%d-%H%M%S')}"
     result = run_training(spec, name)
     history = result.return_value or []
@@ -427,6 +471,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{label + ':':<11} {path}")
     if result.checkpoint is not None:
         print(f"checkpoint: {result.checkpoint.path}")
+    if isinstance(spec.model, PretrainedModelConfig) and spec.model.export:
+        print(f"export:     {spec.model.export} ({spec.model.export_format} layout)")
     if spec.logging.tensorboard:
         print(f"tensorboard: tensorboard --logdir {spec.logging.tensorboard}")
     return 0
@@ -510,6 +556,9 @@ def build_datasets(spec: RunSpec) -> dict | None:
 
     from ray_fsdp_backend.trainer.data import pack_text_rows
 
+    # Ray Data draws a progress bar per operator, thousands of lines around a
+    # short run's progress lines: off unless asked for (-v).
+    ray.data.DataContext.get_current().enable_progress_bars = spec.logging.verbose
     rows = ray.data.read_text(spec.data.path).map_batches(
         pack_text_rows, fn_kwargs={"seq_len": spec.model.seq_len}, batch_size=1024
     )

@@ -304,7 +304,7 @@ class FSDPSettings:
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in values if k not in known]
         if unknown:
-            raise ValueError("; ".join(_unknown_key_message(k, known) for k in unknown))
+            raise ValueError("; ".join(unknown_key_message(k, known) for k in unknown))
         return cls(**dict(values))
 
     @classmethod
@@ -534,7 +534,8 @@ def _check_expert_parallel(cfg: FSDPSettings) -> None:
         )
 
 
-def _unknown_key_message(key: str, known: list[str]) -> str:
+def unknown_key_message(key: str, known: list[str], section: str = "distributed") -> str:
+    """``unknown <section> config key 'x'; did you mean 'y'?`` (or the valid keys)."""
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(known)}"
-    return f"unknown distributed config key {key!r}{hint}"
+    return f"unknown {section} config key {key!r}{hint}"

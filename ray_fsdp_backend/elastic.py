@@ -73,14 +73,6 @@ def split_global_batch(
     return BatchSplit(global_batch_size, dp_size, share // accum, accum)
 
 
-def describe_split(global_batch_size: int, dp_size: int, max_micro_batch_size: int) -> str:
-    """One line for ``plan``: the split, or why ``dp_size`` ranks refuse it."""
-    try:
-        return split_global_batch(global_batch_size, dp_size, max_micro_batch_size).describe()
-    except ValueError as exc:
-        return f"refused: {exc}"
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -10,12 +10,21 @@
   Hugging Face layout (or one safetensors file) from sharded state;
   :mod:`.target`: what an export refuses (a non-empty target without
   ``overwrite``, one not every rank sees) and checks before its index.
+- :mod:`.check`: :func:`check_pretrained`, a checkpoint's existence and LoRA
+  targets, from the driver before anything starts.
 - :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
 """
 
+from ray_fsdp_backend.hf.check import check_pretrained
 from ray_fsdp_backend.hf.export import export_model
 from ray_fsdp_backend.hf.load import load_pretrained
 from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
 from ray_fsdp_backend.hf.target import ExportTargetError
 
-__all__ = ["ExportTargetError", "PretrainedCheckpointError", "export_model", "load_pretrained"]
+__all__ = [
+    "ExportTargetError",
+    "PretrainedCheckpointError",
+    "check_pretrained",
+    "export_model",
+    "load_pretrained",
+]

@@ -1,4 +1,4 @@
-"""Measuring a training loop: :class:`StepMeter`, TensorBoard scalars, Ray's report lines.
+"""Measuring a training loop: :class:`StepMeter`, TensorBoard scalars, a quiet console.
 
 ``StepMeter`` counts the tokens each rank trains, times the steps between
 logged ones and reads peak memory, and at a logged step reduces them over
@@ -24,6 +24,7 @@ import logging
 import resource
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -227,3 +228,22 @@ def show_ray_report_lines(show: bool) -> None:
         return
     logger = logging.getLogger(ray_context.__file__)
     logger.setLevel(logging.NOTSET if show else logging.WARNING)
+
+
+def quiet_console(verbose: bool) -> None:
+    """The one place a worker's console is quietened (``ray-fsdp train``
+    calls it on every worker; ``--verbose`` / ``logging.verbose: true``
+    shows everything): Ray Train's per-report lines
+    (:func:`show_ray_report_lines`) and warnings raised by libraries we call,
+    each named here with the version it applies to. Expected lines that
+    remain are listed in docs/monitoring.md."""
+    show_ray_report_lines(verbose)
+    if verbose:
+        return
+    # peft 0.21's get_peft_model reads model.is_gradient_checkpointing
+    # (peft/peft_model.py), a property transformers 5.x deprecated in favour
+    # of is_activation_checkpointing: a FutureWarning per worker that no
+    # setting of ours avoids.
+    warnings.filterwarnings(
+        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+    )

@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import nn
 
+from ray_fsdp_backend.hf.check import lora_target_errors
+
 
 @dataclass(frozen=True)
 class LoraOptions:
@@ -90,16 +92,8 @@ def apply_lora(base: nn.Module, options: LoraOptions) -> nn.Module:
 
 
 def check_targets(base: nn.Module, targets: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` when a target names no linear layer of ``base``."""
-    linear = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if _is_linear(m)}
-    missing = [t for t in targets if t not in linear]
-    if missing:
-        raise ValueError(
-            f"model.lora.target_modules={list(targets)!r}: {missing} match no linear layer of "
-            f"{type(base).__name__}; its linear layers are {sorted(linear)}"
-        )
-
-
-def _is_linear(module: nn.Module) -> bool:
-    # transformers' GPT-2 uses Conv1D, a linear layer under another name.
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    """Raise ``ValueError`` when a target names no linear layer of ``base``
+    (:func:`~ray_fsdp_backend.hf.check.lora_target_errors`)."""
+    errors = lora_target_errors(base, targets)
+    if errors:
+        raise ValueError(errors[0])

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ray_fsdp_backend.trainer.lora import LoraOptions, apply_lora, check_targets
+from ray_fsdp_backend.trainer.lora import LoraOptions, apply_lora
 
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EXPORT_FORMATS = ("hf", "peft")
@@ -115,22 +115,15 @@ class PretrainedModelConfig:
     def frozen_dtype_bytes(self) -> int:
         return BASE_DTYPES[self.base_dtype].itemsize
 
-    def check_lora_targets(self) -> None:
-        """Raise ``ValueError`` (naming ``model.lora.target_modules`` and the
-        model's linear layers) when a LoRA target matches no linear layer,
-        from a meta model built from ``config.json``: no weights read, run by
-        ``ray-fsdp train`` on the driver before any Ray resource is used. A
-        ``config.json`` the driver cannot read (a path only the workers see)
-        is left to the workers, which run the same check."""
-        from ray_fsdp_backend.hf.models import build_causal_lm
+    def check(self) -> list[str]:
+        """What the workers would refuse, found on the driver: the checkpoint
+        not found, LoRA targets matching no linear layer
+        (:func:`~ray_fsdp_backend.hf.check.check_pretrained`: ``config.json``
+        only, a meta model, no weights)."""
+        from ray_fsdp_backend.hf.check import check_pretrained
 
-        if self.lora is None:
-            return
-        try:
-            model = build_causal_lm(self.pretrained)
-        except OSError:
-            return
-        check_targets(model, self.lora.target_modules)
+        targets = self.lora.target_modules if self.lora is not None else None
+        return check_pretrained(self.pretrained, lora_targets=targets)
 
 
 def build_model_section(values: dict[str, Any]):

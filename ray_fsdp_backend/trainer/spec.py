@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from ray_fsdp_backend.backend import FSDPConfig
+from ray_fsdp_backend.config import unknown_key_message
 from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
 from ray_fsdp_backend.trainer.model import ModelConfig
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
@@ -72,7 +73,9 @@ class TrainOptions:
     optimizer: str = "adamw"
     """``adamw``, or ``muon`` (needs ``distributed.use_dmuon: true``)."""
     log_every: int = 10
-    """Steps between progress lines and ``ray.train.report`` calls."""
+    """Steps between logged metrics (progress line, ``metrics.jsonl``,
+    TensorBoard); Ray gets a report only with a checkpoint and after the last
+    step, so logging every step costs no waiting on Ray."""
     checkpoint_every: int = 0
     """Steps between checkpoints (model, optimizer, step, data position); 0: none."""
     checkpoint_async: bool = False
@@ -140,8 +143,9 @@ class LoggingOptions:
     by rank 0); a relative path is taken from where ``ray-fsdp`` runs. None:
     no TensorBoard."""
     verbose: bool = False
-    """Show Ray Train's per-report "Reporting training result" lines
-    (``ray-fsdp train -v`` sets it)."""
+    """Show everything on the console: Ray Train's per-report lines, Ray
+    Data's progress bars, the library warnings the trainer quietens
+    (``ray-fsdp train -v`` sets it; docs/monitoring.md)."""
 
 
 @dataclass(frozen=True)
@@ -307,11 +311,11 @@ _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_i
 _OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard"}
 
 
-def _build_options(cls: type, values: Mapping[str, Any]) -> Any:
+def _build_options(cls: type, section: str, values: Mapping[str, Any]) -> Any:
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in values if k not in known]
     if unknown:
-        raise ValueError(f"unknown key(s) {unknown}; valid keys: {', '.join(known)}")
+        raise ValueError("; ".join(unknown_key_message(k, known, section) for k in unknown))
     for key, value in values.items():
         _check_option(key, value)
     return cls(**dict(values))
@@ -348,18 +352,18 @@ def _check_option(key: str, value: Any) -> None:
             raise ValueError(f"resources_per_worker={value!r} must map resource names to numbers")
 
 
-def _options_builder(cls: type) -> Callable[[Mapping[str, Any]], Any]:
-    return lambda values: _build_options(cls, values)
+def _options_builder(cls: type, section: str) -> Callable[[Mapping[str, Any]], Any]:
+    return lambda values: _build_options(cls, section, values)
 
 
 _BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
     "distributed": (FSDPConfig, FSDPConfig.from_dict),
     "model": (ModelConfig, build_model_section),
-    "train": (TrainOptions, _options_builder(TrainOptions)),
-    "data": (DataOptions, _options_builder(DataOptions)),
-    "scaling": (ScalingOptions, _options_builder(ScalingOptions)),
-    "run": (RunOptions, _options_builder(RunOptions)),
-    "logging": (LoggingOptions, _options_builder(LoggingOptions)),
+    "train": (TrainOptions, _options_builder(TrainOptions, "train")),
+    "data": (DataOptions, _options_builder(DataOptions, "data")),
+    "scaling": (ScalingOptions, _options_builder(ScalingOptions, "scaling")),
+    "run": (RunOptions, _options_builder(RunOptions, "run")),
+    "logging": (LoggingOptions, _options_builder(LoggingOptions, "logging")),
 }
 """Each section's dataclass and the function that builds it from a mapping."""
 
@@ -382,6 +386,8 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     errors += tensor_parallel_errors(dist, model, data)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
+    if isinstance(model, PretrainedModelConfig):
+        errors += model.check()  # the checkpoint exists, LoRA targets match: before Ray starts
     if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
         errors.append("model.pretrained trains on data.source='corpus' (its tokenizer's ids)")
     if data is not None and data.source == "ray_data" and data.path is None:

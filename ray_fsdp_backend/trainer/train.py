@@ -8,7 +8,10 @@ repeat micro-batches (all but the last under ``no_sync``), clip, step
 progress line every ``train.log_every`` steps (throughput, MFU, memory and
 ETA from ``ctx.step_meter``; TensorBoard scalars with ``logging.tensorboard``)
 and returns the metric history, which the driver turns into
-``metrics.jsonl`` and ``loss_curve.png``.
+``metrics.jsonl`` and ``loss_curve.png``. Ray hears from the loop only with
+a checkpoint: each ``ray.train.report`` is a barrier that can wait up to
+2 s for Ray 2.60's controller (docs/monitoring.md), so none sits on a
+logged step.
 
 A step that does not log never waits for the device: the loss, the gradient
 norm and the count of skipped steps stay on it, a step whose norm is not
@@ -39,7 +42,7 @@ from torch.distributed.tensor import DTensor
 import ray_fsdp_backend as rfb
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
-from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, show_ray_report_lines
+from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, quiet_console
 from ray_fsdp_backend.step_guard import step_if_finite
 from ray_fsdp_backend.trainer.data import (
     PackedBatches,
@@ -66,7 +69,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     """Train the example model; returns the logged history (rank 0's is used)."""
     ctx = rfb.get_context()
     spec = fit_global_batch(build_spec(loop_config), ctx.dp_size, ctx.world_rank)
-    show_ray_report_lines(spec.logging.verbose)
+    quiet_console(spec.logging.verbose)
     return run_training(ctx, spec)
 
 
@@ -99,7 +102,8 @@ def run_training(
 ) -> list[dict[str, float]]:
     """Set up the run and train from the restored step to ``train.steps``;
     returns the logged history. ``report`` receives the metrics of every
-    logged step that saves no checkpoint (default ``ray.train.report``);
+    logged step that saves no checkpoint (default: none, Ray hears only
+    with checkpoints);
     ``on_step(step)`` runs after every step (benchmarks time and profile
     with it); ``resume=False`` starts fresh without asking Ray for a
     checkpoint (outside a Ray Train run). Between logged steps nothing is
@@ -366,10 +370,13 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
 
 
 class CheckpointHooks:
-    """Checkpoints every ``every`` steps through the context's helpers, plain
-    metric reports between them (and always with ``every`` 0) through
-    ``report`` (default ``ray.train.report``). The loop calls :meth:`restore`
-    once and :meth:`report` at every logged step.
+    """Checkpoints every ``every`` steps through the context's helpers (each
+    a ``ray.train.report`` with the checkpoint); the metrics of other logged
+    steps go to ``report`` when given (benchmarks, tests), never to Ray: a
+    ``ray.train.report`` is a barrier that waits up to 2 s for Ray 2.60's
+    controller to poll (``DEFAULT_HEALTH_CHECK_INTERVAL_S``), which would
+    hold the step. The loop calls :meth:`restore` once and :meth:`report` at
+    every logged step.
     """
 
     def __init__(
@@ -399,12 +406,10 @@ class CheckpointHooks:
         return extra
 
     def report(self, step, model, optimizer, metrics, extra_state) -> None:
-        """A checkpoint when one is due, else a metrics-only report (every rank)."""
+        """A checkpoint when one is due (every rank), else ``metrics`` to ``report``."""
         if self.due(step):
             self.ctx.save_checkpoint(
                 model, optimizer, metrics, extra_state=extra_state, async_save=self.async_save
             )
         elif self._report is not None:
             self._report(metrics)
-        else:
-            ray.train.report(metrics)

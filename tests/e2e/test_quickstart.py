@@ -46,11 +46,25 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
     assert "Reporting training result" not in log
     first, last = map(float, re.search(r"loss (\S+) \(step 1\) -> (\S+) \(step 40\)", log).groups())
     assert first > 5.0 and last < first - 1.5
+    assert_quiet(log)
 
     run_dir = tmp_path / "quick"
     assert f"results:    {run_dir}" in out.stdout
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in history] == [1, 10, 20, 30, 40]
+    # The README's sample is this run's (steps 1 and 10 come before the schedule's
+    # decay, so 40 steps print them as 150 do), to 4 digits.
+    from benchmarks.samples import sample_losses
+
+    run_losses = tuple(f"{m['loss']:.4f}" for m in history[:2])
+    assert sample_losses((REPO / "README.md").read_text()) == run_losses, (
+        "README.md's quick-start sample is from another run: regenerate the docs' samples "
+        "with `python -m benchmarks.samples` and commit them"
+    )
+    # No spike: the quick start's loss fell at every logged step (it once
+    # jumped 3.35 -> 6.22 at step 20: a peak rate too high for the plateau).
+    losses = [m["loss"] for m in history]
+    assert all(b < a + 0.05 for a, b in zip(losses, losses[1:], strict=False)), losses
     tokens_per_step = 2 * 8 * 128  # workers x micro_batch_size x seq_len (grad_accum 1)
     for m in history:
         assert m["tokens_seen"] == m["step"] * tokens_per_step
@@ -66,6 +80,26 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
     assert_tensorboard_has(tmp_path / "tb", history)
     png = (run_dir / "loss_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def expected_console_lines() -> list[str]:
+    """The patterns docs/monitoring.md lists under "Expected console lines"."""
+    text = (REPO / "docs" / "monitoring.md").read_text()
+    block = text.split("<!-- expected console lines -->", 1)[1].split("```", 2)[1]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def assert_quiet(log: str) -> None:
+    """No warning, error or traceback line but those the docs list as expected."""
+    allowed = [re.compile(p) for p in expected_console_lines()]
+    noisy = re.compile(r"warn|error|traceback|exception", re.I)
+    loud = [
+        line for line in log.splitlines()
+        if noisy.search(line) and not any(p.search(line) for p in allowed)
+    ]  # fmt: skip
+    assert not loud, "unexpected console lines (docs/monitoring.md lists the expected):\n" + (
+        "\n".join(loud[:20])
+    )
 
 
 def assert_tensorboard_has(log_dir: Path, history: list[dict]) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from ray_fsdp_backend.cli import main
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
-from ray_fsdp_backend.trainer.spec import build_spec, check_spec, load_yaml
+from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, check_spec, load_yaml
 
 pytest.importorskip("transformers")
 
@@ -28,10 +28,12 @@ def _llama_8b_config(path) -> str:
     return str(path)
 
 
-def test_example_yaml_builds_a_pretrained_model_section():
-    spec = build_spec(load_yaml(EXAMPLE))
+def test_example_yaml_builds_a_pretrained_model_section(tmp_path):
+    assert load_yaml(EXAMPLE)["model"]["pretrained"] == "/tmp/rfb-tiny-llama"
+    path = _llama_8b_config(tmp_path / "llama")
+    spec = build_spec(apply_overrides(load_yaml(EXAMPLE), [f"model.pretrained={path}"]))
     assert isinstance(spec.model, PretrainedModelConfig)
-    assert spec.model.pretrained == "/tmp/rfb-tiny-llama" and spec.model.seq_len == 64
+    assert spec.model.pretrained == path and spec.model.seq_len == 64
 
 
 @pytest.mark.parametrize(
@@ -85,11 +87,11 @@ def test_lora_target_matching_no_layer_is_named(tmp_path):
     from ray_fsdp_backend.trainer.pretrained import _sizes
 
     path = _llama_8b_config(tmp_path / "llama")
-    spec = build_spec(load_yaml(LORA_EXAMPLE) | {"model": {
-        "pretrained": path, "lora": {"target_modules": ["q_proj", "qkv"]}}})  # fmt: skip
+    doc = load_yaml(LORA_EXAMPLE) | {"model": {
+        "pretrained": path, "lora": {"target_modules": ["q_proj", "qkv"]}}}  # fmt: skip
     _sizes.cache_clear()
     with pytest.raises(ValueError, match=r"target_modules=\['q_proj', 'qkv'\]: \['qkv'\] match"):
-        spec.model.num_params()
+        build_spec(doc)
 
 
 def test_train_refuses_lora_target_matching_no_layer_before_ray(tmp_path, monkeypatch, capsys):
