@@ -290,3 +290,23 @@ def nf4_bytes(model: nn.Module) -> Mapping[str, int]:
         else:
             out["dense"] += local.numel() * local.element_size()
     return out
+
+
+def dequantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every NF4 tensor (or the NF4 local shard of a ``DTensor``)
+    dequantised to its dtype, shard by shard: the merged export writes the
+    base as the NF4 codes give it back (it differs from the checkpoint the
+    base was read from by the quantisation error; docs/lora.md)."""
+    out = {}
+    for key, value in state.items():
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if not hasattr(local, "quantized_data"):
+            out[key] = value
+            continue
+        dense = local.get_original_weight()
+        if isinstance(value, DTensor):
+            dense = DTensor.from_local(
+                dense, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+            )
+        out[key] = dense
+    return out

@@ -183,7 +183,8 @@ def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora)  # adapters fp32 (peft's autocast_adapter_dtype)
     model = ctx.wrap(model)
-    ctx.load_pretrained(model, cfg.pretrained)
+    quantize = cfg.lora.base_quantization if cfg.lora is not None else None
+    ctx.load_pretrained(model, cfg.pretrained, quantize=quantize)
     return model
 
 

@@ -26,6 +26,7 @@ NAMES = [
     "finetune_hf",
     "long_context",
     "finetune_lora",
+    "finetune_qlora",
 ]
 
 

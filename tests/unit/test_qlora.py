@@ -71,3 +71,52 @@ def test_one_shard_is_to_nf4_bitwise_and_its_bytes_are_counted(dtype):
     assert nf4_bytes(model) == {"nf4": weight.numel() * per_param, "dense": 0}
     x = torch.randn(3, 256).to(dtype)
     assert torch.equal(model(x), x @ want.get_original_weight().t())
+
+
+# -- model.lora.base_quantization in the training YAML ------------------------------------
+
+QLORA = {"pretrained": "/x", "lora": {"base_quantization": "nf4"}}
+
+
+@pytest.mark.parametrize(
+    ("distributed", "model", "words"),
+    [
+        ({"use_fsdp": False}, QLORA, "base_quantization='nf4' with distributed.use_fsdp=false"),
+        (
+            {"use_fsdp": True, "use_dmuon": True},
+            QLORA,
+            "base_quantization='nf4' with distributed.use_dmuon=true",
+        ),
+        (
+            {"use_fsdp": True, "tensor_parallel_size": 2},
+            QLORA,
+            "base_quantization='nf4' with distributed.tensor_parallel_size=2",
+        ),
+        (
+            {"use_fsdp": True},
+            {"pretrained": "/x", "lora": {"base_quantization": "int4"}},
+            "model.lora.base_quantization='int4' is not one of nf4",
+        ),
+        (
+            {"use_fsdp": True},
+            {"pretrained": "/x", "base_quantization": "nf4"},
+            "unknown model config key(s) ['base_quantization']",
+        ),
+    ],
+)
+def test_yaml_refusals_name_the_key(distributed, model, words):
+    from ray_fsdp_backend.trainer.spec import check_spec
+
+    doc = {"distributed": distributed, "model": model, "train": {"optimizer": "adamw"}}
+    errors = check_spec(doc)
+    assert any(words in e for e in errors), errors
+
+
+def test_the_example_builds_with_nf4():
+    from pathlib import Path
+
+    from ray_fsdp_backend.trainer.spec import build_spec, load_yaml
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "finetune_qlora.yaml"
+    spec = build_spec(load_yaml(example))
+    assert spec.model.lora.base_quantization == "nf4"
