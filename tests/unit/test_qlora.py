@@ -120,3 +120,24 @@ def test_the_example_builds_with_nf4():
     example = Path(__file__).resolve().parents[2] / "examples" / "finetune_qlora.yaml"
     spec = build_spec(load_yaml(example))
     assert spec.model.lora.base_quantization == "nf4"
+
+
+def test_plan_counts_the_nf4_base(tmp_path, capsys):
+    from pathlib import Path
+
+    from transformers import LlamaConfig
+
+    from ray_fsdp_backend.cli import main
+
+    LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "llama-3-8b")  # fmt: skip
+    example = Path(__file__).resolve().parents[2] / "examples" / "finetune_qlora.yaml"
+    argv = ["plan", str(example), "--nodes", "1", "--gpus-per-node", "8",
+            "--set", f"model.pretrained={tmp_path / 'llama-3-8b'}",
+            "--set", "model.base_dtype=bf16"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # 6.98B linear weights in NF4 (0.5157 B), 1.05B embeddings/head/norms in bf16.
+    assert "frozen base 8,030.3M (nf4 + bf16, 0.71 B/param, 679.7 MiB per GPU)" in out, out
