@@ -99,6 +99,28 @@ def check_nf4_shards(targets: list[Target]) -> None:
         )
 
 
+def check_fsdp_managed(model: nn.Module, targets: list[Target]) -> None:
+    """Refuse sharded weights that FSDP2 does not manage (tensor parallel):
+    NF4 shards live in FSDP2's all-gather.
+
+    Raises:
+        ValueError: naming the first such weights.
+    """
+    inner = unwrap(model)
+    managed = {key for key, _ in _fsdp_params(inner)}
+    params = dict(inner.named_parameters())
+    bad = [
+        t.name
+        for t in targets
+        if isinstance(params[t.name], DTensor) and id(params[t.name]) not in managed
+    ]
+    if bad:
+        raise ValueError(
+            f"quantize='nf4' needs FSDP2 / HSDP to shard the base; {len(bad)} weights are "
+            f"DTensors it does not manage (tensor parallel?): {', '.join(bad[:5])}"
+        )
+
+
 def nf4_targets(model: nn.Module) -> list[Target]:
     """The frozen 2-D ``nn.Linear`` weights of ``model`` but its output head."""
     inner = unwrap(model)

@@ -147,10 +147,16 @@ def _nf4_targets(model: nn.Module, quantize: str | None) -> list | None:
     """The weights ``quantize`` turns to NF4, checked (None: no quantisation)."""
     if quantize is None:
         return None
-    from ray_fsdp_backend.quantization import check_nf4_shards, check_quantize, nf4_targets
+    from ray_fsdp_backend.quantization import (
+        check_fsdp_managed,
+        check_nf4_shards,
+        check_quantize,
+        nf4_targets,
+    )
 
     check_quantize(quantize)
     targets = nf4_targets(model)
+    check_fsdp_managed(model, targets)
     check_nf4_shards(targets)
     return targets
 
