@@ -125,12 +125,17 @@ class CollectiveCounter:
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes this rank stores for ``tensors`` (a DTensor's local shard only)."""
+    """Bytes this rank stores for ``tensors`` (a DTensor's local shard only;
+    an NF4 tensor's codes, scales and factors as stored)."""
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        inner = [getattr(local, n) for n in NF4_PARTS] if hasattr(local, "quantized_data") else []
+        total += sum(x.numel() * x.element_size() for x in inner or [local])
     return total
+
+
+NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor")
 
 
 def unique_params(model: nn.Module) -> list[nn.Parameter]:

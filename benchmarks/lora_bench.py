@@ -3,10 +3,12 @@
 The same pretrained Llama (bf16 safetensors, trained in fp32, FSDP2
 full_shard) is trained three ways: every parameter (**full**), and LoRA
 adapters of rank 8 and 64 on ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
-over the frozen base (``alpha = 2 r``). Each side runs in its own spawned
+over the frozen base (``alpha = 2 r``), and QLoRA r 8 (the same adapters
+over the base loaded with ``quantize="nf4"``). Each side runs in its own spawned
 job per world size (a process's memory high-water mark cannot be reset), in
 alternating order. Per rank (the largest over ranks): model-state bytes
-(parameters, gradients, optimizer state, read off the tensors), the peak
+(parameters, gradients, optimizer state, read off the tensors; the frozen
+base's bytes with NF4 codes and scales counted as stored), the peak
 resident set the training steps add, the median step time, and the bytes
 of one checkpoint save (all ranks' files).
 """
@@ -24,11 +26,11 @@ import torch.nn.functional as F
 from benchmarks import _measure
 from benchmarks.pretrained import PeakRSS, make_checkpoint
 
-SIDES = {"full": None, "lora_r8": 8, "lora_r64": 64}
+SIDES = {"full": None, "lora_r8": 8, "lora_r64": 64, "qlora_r8": 8}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _build(rank: int, path: str, rank_r: int | None):
+def _build(rank: int, path: str, side: str):
     from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
     from ray_fsdp_backend.hf.models import build_causal_lm
     from ray_fsdp_backend.trainer.lora import LoraOptions, apply_lora
@@ -36,18 +38,20 @@ def _build(rank: int, path: str, rank_r: int | None):
     config = FSDPConfig(use_fsdp=True, use_mixed_precision=False)
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)
     model = build_causal_lm(path)
+    rank_r = SIDES[side]
     if rank_r is not None:
         model = apply_lora(model, LoraOptions(r=rank_r, alpha=2 * rank_r, target_modules=TARGETS))
     model = strategy.wrap(model)
-    load_pretrained(model, path)
+    load_pretrained(model, path, quantize="nf4" if side.startswith("qlora") else None)
     return strategy, model
 
 
 def on_rank(rank: int, world: int, path: str, side: str, steps: int, batch: int, seq: int) -> dict:
     from ray_fsdp_backend.checkpoint import CheckpointStore, save_sharded
+    from ray_fsdp_backend.quantization import nf4_bytes
 
     torch.set_num_threads(1)
-    strategy, model = _build(rank, path, SIDES[side])
+    strategy, model = _build(rank, path, side)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     vocab = model.config.vocab_size
@@ -68,6 +72,12 @@ def on_rank(rank: int, world: int, path: str, side: str, steps: int, batch: int,
                 times.append(time.perf_counter() - start)
             opt.zero_grad(set_to_none=False)  # keep gradient buffers for the byte count
     state = _measure.state_bytes(model, opt)
+    split = nf4_bytes(model)
+    quantised = sum(
+        p._local_tensor.numel() for p in model.parameters() if hasattr(p, "_local_tensor")
+        and hasattr(p._local_tensor, "quantized_data")
+    )  # fmt: skip
+    base = _measure.max_over_ranks([float(split["nf4"] + split["dense"]), float(split["nf4"])])
     peak = _measure.max_over_ranks([float(mem.added)])[0]
     with tempfile.TemporaryDirectory() as root:
         root = _same_dir(root)
@@ -80,6 +90,10 @@ def on_rank(rank: int, world: int, path: str, side: str, steps: int, batch: int,
     return {
         "trainable_params": sum(p.numel() for p in trainable),
         "state": state,
+        "base_bytes_per_rank": int(base[0]),
+        # The NF4 weights' stored bytes per rank, and how many of them: NF4 vs bf16.
+        "nf4_bytes_per_rank": int(base[1]),
+        "nf4_params_per_rank": quantised,
         "peak_bytes_per_rank": peak,
         "step_s": statistics.median(_measure.max_over_ranks(times)),
         "checkpoint_bytes": saved,
@@ -97,7 +111,7 @@ def _same_dir(local: str) -> str:
 def run(run_ranks, worlds, dim, layers, vocab, steps, batch, seq) -> dict:
     """Every side at each world size; ``run_ranks`` is the gloo harness."""
     with tempfile.TemporaryDirectory() as root:
-        path, size = make_checkpoint(dim, layers, vocab, root)
+        path, size = make_checkpoint(dim, layers, vocab, root, multiple_of=256)
         rows = []
         for i, world in enumerate(worlds):
             order = list(SIDES) if i % 2 == 0 else list(reversed(SIDES))

@@ -99,12 +99,17 @@ def on_rank(rank: int, world: int, path: str, side: str, reps: int) -> dict:
     }
 
 
-def make_checkpoint(dim: int, layers: int, vocab: int, root: str) -> tuple[str, int]:
-    """A random Llama of this size in bf16 safetensors shards; (path, bytes)."""
+def make_checkpoint(
+    dim: int, layers: int, vocab: int, root: str, multiple_of: int = 1
+) -> tuple[str, int]:
+    """A random Llama of this size in bf16 safetensors shards; (path, bytes).
+    ``multiple_of``: the MLP width rounded up to it (Llama's own rule; 256
+    lets NF4 blocks divide every shard)."""
     import transformers as tf
 
+    hidden = -(-8 * dim // 3 // multiple_of) * multiple_of
     config = tf.LlamaConfig(
-        vocab_size=vocab, hidden_size=dim, intermediate_size=8 * dim // 3, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
         num_attention_heads=max(1, dim // 64), num_key_value_heads=max(1, dim // 64),
     )  # fmt: skip
     torch.manual_seed(0)

@@ -255,21 +255,30 @@ def _lora(r: dict) -> list[str]:
     rows = []
     for row in r["rows"]:
         full = row["full"]
-        for side in ("full", "lora_r8", "lora_r64"):
+        for side in ("full", "lora_r8", "lora_r64", "qlora_r8"):
+            if side not in row:  # results from before QLoRA
+                continue
             m = row[side]
             state = m["state"]
+            base = _mib(m["base_bytes_per_rank"]) if "base_bytes_per_rank" in m else "-"
+            if m.get("nf4_params_per_rank"):  # NF4 bytes against the same weights in bf16
+                base += (
+                    f" (NF4 {m['nf4_bytes_per_rank'] / (2 * m['nf4_params_per_rank']):.3f}x bf16)"
+                )
             rows.append([
                 row["world_size"], side.replace("_", " "), f"{m['trainable_params'] / 1e6:.2f}M",
-                _mib(state["params"]), _mib(state["grads"]), _mib(state["optimizer"]),
+                _mib(state["params"]), base, _mib(state["grads"]), _mib(state["optimizer"]),
                 _mib(m["peak_bytes_per_rank"]), f"{m['step_s']:.3f}",
                 f"{m['step_s'] / full['step_s']:.2f}", _mib(m["checkpoint_bytes"]),
                 _over(m["checkpoint_bytes"], full["checkpoint_bytes"]),
             ])  # fmt: skip
-    header = ["ranks", "training", "trainable", "params MiB/rank", "grads MiB/rank",
+    header = ["ranks", "training", "trainable", "params MiB/rank", "frozen base MiB/rank",
+              "grads MiB/rank",
               "optimizer MiB/rank", "peak MiB added by steps/rank", "step s", "step × full",
               "checkpoint MiB per save", "checkpoint × full"]  # fmt: skip
     return [
-        f"#### 10. LoRA (q/k/v/o_proj, r 8 and 64) vs full fine-tuning: {r['params'] / 1e6:.0f}M "
+        f"#### 10. LoRA (q/k/v/o_proj, r 8 and 64) and QLoRA (r 8, NF4 base) vs full "
+        f"fine-tuning: {r['params'] / 1e6:.0f}M "
         f"parameters, fp32, FSDP2 full_shard, batch {r['batch']} x {r['seq']} per rank",
         "",
         *_table(header, rows),

@@ -415,7 +415,7 @@ def _frozen_lines(model, size: ModelSize, shard_size: int) -> list[str]:
         return []
     base = model.frozen_dtype_bytes * size.frozen_params
     return [
-        f"lora:     frozen base {size.frozen_params / 1e6:,.1f}M ({model.base_dtype}, "
+        f"lora:     frozen base {size.frozen_params / 1e6:,.1f}M ({model.base_label}, "
         f"{format_bytes(math.ceil(base / shard_size))} per GPU), adapters "
         f"{size.trainable_params / 1e6:,.3f}M trainable (gradients and optimizer state "
         "for these only)",

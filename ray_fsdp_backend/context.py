@@ -320,14 +320,20 @@ class TrainContext:
             overwrite=overwrite,
         )
 
-    def load_pretrained(self, model: nn.Module, path: str, *, filesystem=None, key_map=None):
+    def load_pretrained(
+        self, model: nn.Module, path: str, *, filesystem=None, key_map=None, quantize=None
+    ):
         """Load Hugging Face safetensors weights (a directory, a file, a URI or a
         path on ``filesystem``) into the wrapped ``model``, each rank reading
-        only the byte ranges it owns. Call after ``wrap``, before building the
-        optimizer. See :func:`ray_fsdp_backend.hf.load_pretrained`."""
+        only the byte ranges it owns. ``quantize="nf4"``: QLoRA's 4-bit frozen
+        base, each rank quantising its own shard (docs/lora.md). Call after
+        ``wrap``, before building the optimizer. See
+        :func:`ray_fsdp_backend.hf.load_pretrained`."""
         from ray_fsdp_backend.hf import load_pretrained
 
-        return load_pretrained(model, path, filesystem=filesystem, key_map=key_map)
+        return load_pretrained(
+            model, path, filesystem=filesystem, key_map=key_map, quantize=quantize
+        )
 
 
 def refuse_modules_to_save(model: nn.Module) -> None:

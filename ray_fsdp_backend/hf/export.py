@@ -41,6 +41,7 @@ from ray_fsdp_backend.hf.writer import (
     write_bytes,
     write_files,
 )
+from ray_fsdp_backend.quantization import dequantize_state
 from ray_fsdp_backend.strategies.peft import is_peft_model, unwrap
 
 Exporter = Callable[..., None]
@@ -124,7 +125,7 @@ def export_hf(
     :func:`export_model`; ``uri`` names it in messages)."""
     uri = uri or root
     inner = unwrap(model)
-    state = get_model_state_dict(model)
+    state = dequantize_state(get_model_state_dict(model))  # a QLoRA base: NF4 -> dense
     state = {k: state[k] for k in export_keys(inner, state)}
     if is_peft_model(inner):  # adapters merged into the base, under the base's names
         state = merge_adapters(inner, state)

@@ -71,6 +71,7 @@ def load_pretrained(
     *,
     filesystem: pafs.FileSystem | None = None,
     key_map: KeyMap | None = None,
+    quantize: str | None = None,
 ) -> SafetensorsReader:
     """Load the safetensors checkpoint at ``path`` into ``model`` in place.
 
@@ -87,14 +88,20 @@ def load_pretrained(
     keep PEFT's initialisation), a PEFT adapter directory
     (``adapter_config.json``) fills the adapters (see :mod:`.peft`). Rank 0
     reads the files' headers and broadcasts them; each rank then reads its
-    own byte ranges, concurrently. Create the optimizer afterwards.
+    own byte ranges, concurrently. ``quantize="nf4"`` (QLoRA; needs
+    ``torchao``) then turns every frozen ``nn.Linear`` weight but the output
+    head into 4-bit NF4, each rank its own shard (:mod:`ray_fsdp_backend.quantization`,
+    docs/lora.md). Create the optimizer afterwards.
     Collective: every rank calls it. Returns the reader (``bytes_read`` says
     how much this rank read).
 
     Raises:
         PretrainedCheckpointError: the path does not exist, a file is corrupt,
             or keys/shapes do not fit the model; raised before any weight is read.
+        ValueError: ``quantize`` is not ``"nf4"``, or a weight's shards do not
+            divide into NF4 blocks (naming the shapes), before any weight is read.
     """
+    nf4 = _nf4_targets(model, quantize)
     fs, root = resolve_filesystem(path, filesystem)
     state = get_model_state_dict(model)
     inner = unwrap(model)
@@ -124,12 +131,34 @@ def load_pretrained(
     load_state = {k: state[k] for k in to_load}
     dcp.load(load_state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(model, load_state, options=StateDictOptions(strict=False))
+    if nf4 is not None:
+        from ray_fsdp_backend.quantization import apply_nf4
+
+        apply_nf4(model, nf4)
     if peft is None or peft.fills_base:
         note_frozen_loaded(model)
         dtypes = Counter(entries[k].dtype for k in to_load)
         dtype = dtypes.most_common(1)[0][0] if dtypes else None
         _SOURCES[inner] = Source(fs, root, dtype)
     return reader
+
+
+def _nf4_targets(model: nn.Module, quantize: str | None) -> list | None:
+    """The weights ``quantize`` turns to NF4, checked (None: no quantisation)."""
+    if quantize is None:
+        return None
+    from ray_fsdp_backend.quantization import (
+        check_fsdp_managed,
+        check_nf4_shards,
+        check_quantize,
+        nf4_targets,
+    )
+
+    check_quantize(quantize)
+    targets = nf4_targets(model)
+    check_fsdp_managed(model, targets)
+    check_nf4_shards(targets)
+    return targets
 
 
 def check_fits(

@@ -6,6 +6,7 @@ Next to ``model.pretrained`` in a training YAML::
       pretrained: /data/llama-3-8b
       base_dtype: bf16                 # the frozen base; adapters stay fp32
       lora: {r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}
+      # lora.base_quantization: nf4   # QLoRA: a 4-bit base (needs torchao)
       export: /mnt/shared/llama-3-8b-lora
       export_format: peft              # adapters only; hf: merged into the base
 
@@ -39,6 +40,9 @@ class LoraOptions:
     """Dropout on the adapters' input."""
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     """Names (last component) of the linear layers that get adapters."""
+    base_quantization: str | None = None
+    """``nf4``: QLoRA, the frozen base's linear weights in 4-bit NF4 (``torchao``),
+    each rank quantising its own shard (docs/lora.md); None: the base as read."""
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> LoraOptions:
@@ -64,7 +68,19 @@ class LoraOptions:
             raise ValueError(
                 f"model.lora.target_modules={targets!r} must be a non-empty list of module names"
             )
-        return cls(r=r, alpha=alpha, dropout=float(dropout), target_modules=tuple(targets))
+        quantization = values.get("base_quantization")
+        if quantization not in (None, "nf4"):
+            raise ValueError(
+                f"model.lora.base_quantization={quantization!r} is not one of nf4 "
+                "(or leave it out for the base as read)"
+            )
+        return cls(
+            r=r,
+            alpha=alpha,
+            dropout=float(dropout),
+            target_modules=tuple(targets),
+            base_quantization=quantization,
+        )
 
 
 def _is_number(value) -> bool:

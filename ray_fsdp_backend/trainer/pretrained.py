@@ -23,12 +23,14 @@ LoRA adapters on the frozen base (:mod:`ray_fsdp_backend.trainer.lora`).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from ray_fsdp_backend.quantization import nf4_bytes_per_param, nf4_targets
 from ray_fsdp_backend.trainer.lora import LoraOptions, apply_lora
 
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -112,8 +114,24 @@ class PretrainedModelConfig:
         return _sizes(self.pretrained, self.lora)["frozen_params"]
 
     @property
-    def frozen_dtype_bytes(self) -> int:
-        return BASE_DTYPES[self.base_dtype].itemsize
+    def frozen_dtype_bytes(self) -> float:
+        """Bytes per frozen parameter: the base dtype's, or with
+        ``lora.base_quantization: nf4`` the mean over NF4 weights (codes and
+        scales) and the rest (embeddings, norms, the head) in the base dtype."""
+        itemsize = BASE_DTYPES[self.base_dtype].itemsize
+        if self.lora is None or self.lora.base_quantization is None:
+            return itemsize
+        sizes = _sizes(self.pretrained, self.lora)
+        nf4, frozen = sizes["nf4_params"], sizes["frozen_params"]
+        total = nf4 * nf4_bytes_per_param(itemsize) + (frozen - nf4) * itemsize
+        return total / frozen if frozen else itemsize
+
+    @property
+    def base_label(self) -> str:
+        """The frozen base's storage, as ``ray-fsdp plan`` names it."""
+        if self.lora is None or self.lora.base_quantization is None:
+            return self.base_dtype
+        return f"nf4 + {self.base_dtype}, {self.frozen_dtype_bytes:.2f} B/param"
 
     def check(self) -> list[str]:
         """What the workers would refuse, found on the driver: the checkpoint
@@ -158,6 +176,7 @@ def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
         embedding_params=total - in_blocks,
         matrix_params=matrices,
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        nf4_params=sum(math.prod(t.shape) for t in nf4_targets(model)),
     )
 
 
@@ -183,7 +202,8 @@ def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora)  # adapters fp32 (peft's autocast_adapter_dtype)
     model = ctx.wrap(model)
-    ctx.load_pretrained(model, cfg.pretrained)
+    quantize = cfg.lora.base_quantization if cfg.lora is not None else None
+    ctx.load_pretrained(model, cfg.pretrained, quantize=quantize)
     return model
 
 

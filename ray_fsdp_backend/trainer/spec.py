@@ -384,6 +384,7 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
     errors += tensor_parallel_errors(dist, model, data)
+    errors += qlora_errors(dist, model)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
     if isinstance(model, PretrainedModelConfig):
@@ -426,6 +427,25 @@ def _context_parallel_errors(dist, model, data, scaling) -> list[str]:
         except ValueError as exc:
             errors.append(str(exc))
     return errors
+
+
+def qlora_errors(dist, model) -> list[str]:
+    """Layouts an NF4 base (``model.lora.base_quantization``) cannot run:
+    NF4 shards live in FSDP2's all-gather, so no DDP, DMuon or tensor parallel."""
+    lora = getattr(model, "lora", None)
+    if dist is None or lora is None or lora.base_quantization is None:
+        return []
+    key = f"model.lora.base_quantization={lora.base_quantization!r}"
+    rules = [
+        (not dist.use_fsdp, "distributed.use_fsdp=false (DDP would hold the whole base)"),
+        (dist.use_dmuon, "distributed.use_dmuon=true (DMuon's team all-gathers are not NF4's)"),
+        (
+            dist.tensor_parallel_size > 1,
+            f"distributed.tensor_parallel_size={dist.tensor_parallel_size} (NF4 shards by rows "
+            "over FSDP only)",
+        ),
+    ]
+    return [f"{key} with {what}: QLoRA runs on FSDP2 / HSDP" for bad, what in rules if bad]
 
 
 def tensor_parallel_errors(dist, model, data) -> list[str]:

@@ -25,13 +25,16 @@ def tiny_config(kind: str, *, tied: bool = False):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, tie_word_embeddings=tied)
-    if kind == "llama":
+    if kind in ("llama", "llama_qlora"):
+        # llama_qlora: every linear weight a multiple of 4 ranks x 64 x 256
+        # elements, so NF4 quantises its shards (docs/lora.md, QLoRA).
+        wide = kind == "llama_qlora"
         return tf.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=256 if wide else 32,
+            intermediate_size=512 if wide else 64,
             num_hidden_layers=2,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            num_key_value_heads=4 if wide else 2,
             max_position_embeddings=64,
             **common,
         )
@@ -84,7 +87,9 @@ def save_tiny_tokenizer(path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", help="directory to write")
-    parser.add_argument("--kind", default="llama", choices=["llama", "gpt2", "qwen3_moe"])
+    parser.add_argument(
+        "--kind", default="llama", choices=["llama", "llama_qlora", "gpt2", "qwen3_moe"]
+    )
     args = parser.parse_args(argv)
     save_tiny_pretrained(args.kind, args.path)
     print(f"wrote a tiny pretrained {args.kind} to {args.path}")

@@ -89,6 +89,7 @@ def _lora(ctx, loop_config: dict):
     from ray_fsdp_backend.trainer.tiny_pretrained import VOCAB
 
     lora = {"r": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
+    lora.update(loop_config.get("lora", {}))  # QLoRA: base_quantization nf4
     cfg = PretrainedModelConfig.from_dict({"pretrained": loop_config["pretrained"], "lora": lora})
     model = build_pretrained(ctx, cfg)
 

@@ -106,6 +106,13 @@ def test_lora_trains_and_stores_less_than_full_fine_tuning(results):
         assert r8["state"]["grads"] < full["state"]["grads"] / 4
         assert r8["checkpoint_bytes"] < r64["checkpoint_bytes"] < full["checkpoint_bytes"]
         assert r8["state"]["params"] > full["state"]["params"]  # the base plus the adapters
+        # QLoRA: the NF4 weights (codes and scales as stored) at most 0.3x the same
+        # weights in bf16 (0.258x), a smaller base than LoRA's, the adapters' state as LoRA's.
+        q8 = row["qlora_r8"]
+        assert 0 < q8["nf4_bytes_per_rank"] <= 0.3 * 2 * q8["nf4_params_per_rank"], q8
+        assert q8["base_bytes_per_rank"] < r8["base_bytes_per_rank"], (q8, r8)
+        for key in ("grads", "optimizer"):
+            assert q8["state"][key] == r8["state"][key], key
 
 
 def test_sustained_benchmark_runs_the_training_loop_on_cpu(tmp_path):

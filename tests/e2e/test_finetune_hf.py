@@ -110,3 +110,21 @@ def test_finetune_lora_yaml_checkpoints_adapters_and_exports_peft(tmp_path):
     assert (config["r"], sorted(config["target_modules"])) == (8, ["q_proj", "v_proj"])
     before, after = _eval(_EVAL_PEFT, pretrained, export, cwd=tmp_path)
     assert after < before - 0.02, (before, after)
+
+
+def test_finetune_qlora_yaml_trains_on_an_nf4_base_and_exports_peft(tmp_path):
+    """``examples/finetune_qlora.yaml``: adapters over an NF4 base quantised
+    shard by shard on 2 workers; the PEFT export loads with ``peft`` alone
+    over the fp32 base and lowers the loss there too."""
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+
+    pretrained = save_tiny_pretrained("llama_qlora", tmp_path / "pretrained", max_shard_size="2MB")
+    export = tmp_path / "adapters"
+    _train_example("finetune_qlora.yaml", tmp_path, pretrained, export, "qlora")
+    with open(export / "adapter_config.json") as f:
+        config = json.load(f)
+    assert config["base_model_name_or_path"] == str(pretrained)
+    before, after = _eval(_EVAL_PEFT, pretrained, export, cwd=tmp_path)
+    assert after < before - 0.02, (before, after)

@@ -27,6 +27,7 @@ NAMES = [
     "long_context",
     "finetune_lora",
     "moe_ep",
+    "finetune_qlora",
 ]
 
 
