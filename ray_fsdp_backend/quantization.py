@@ -26,6 +26,7 @@ it is imported here only, and this module only by ``load_pretrained`` with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -235,9 +236,7 @@ def _nf4_args(nf4) -> tuple:
     return construct_nf4_args(nf4)
 
 
-_PACKED = None
-
-
+@functools.cache  # one class, built on first use: torchao is imported only then
 def _packed_nf4_class() -> type:
     """``NF4Tensor`` whose FSDP2 all-gather moves one byte tensor.
 
@@ -248,9 +247,6 @@ def _packed_nf4_class() -> type:
     one, every shard count takes the same path; the unsharded weight is
     ``torchao``'s ``NF4Tensor``.
     """
-    global _PACKED
-    if _PACKED is not None:
-        return _PACKED
     from torchao.quantization import NF4Tensor
 
     class PackedNF4Tensor(NF4Tensor):
@@ -275,8 +271,7 @@ def _packed_nf4_class() -> type:
             whole = NF4Tensor(*_whole_args(shard, size, parts))
             return whole, tuple(getattr(whole, name) for name in _SHARDED_PARTS)
 
-    _PACKED = PackedNF4Tensor
-    return _PACKED
+    return PackedNF4Tensor
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

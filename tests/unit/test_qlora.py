@@ -112,13 +112,17 @@ def test_yaml_refusals_name_the_key(distributed, model, words):
     assert any(words in e for e in errors), errors
 
 
-def test_the_example_builds_with_nf4():
+def test_the_example_builds_with_nf4(tmp_path):
+    """Once the checkpoint its header makes exists (``model.pretrained`` is
+    checked for a ``config.json`` before anything starts)."""
     from pathlib import Path
 
-    from ray_fsdp_backend.trainer.spec import build_spec, load_yaml
+    from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
 
     example = Path(__file__).resolve().parents[2] / "examples" / "finetune_qlora.yaml"
-    spec = build_spec(load_yaml(example))
+    tiny = save_tiny_pretrained("llama_qlora", tmp_path / "tiny")
+    spec = build_spec(apply_overrides(load_yaml(example), [f"model.pretrained={tiny}"]))
     assert spec.model.lora.base_quantization == "nf4"
 
 
