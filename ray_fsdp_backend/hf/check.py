@@ -60,6 +60,33 @@ def check_pretrained(
     return lora_target_errors(model, lora_targets or ())
 
 
+def export_target_errors(
+    path: str | os.PathLike,
+    *,
+    overwrite: bool,
+    filesystem: pafs.FileSystem | None = None,
+    key: str = "model.export",
+) -> list[str]:
+    """The refusal :func:`~ray_fsdp_backend.hf.export.export_model` would raise
+    at the end of the run, found before it starts: a non-empty target without
+    ``overwrite`` (one message; empty: none). An unreadable target is left to
+    the export, which checks it again on every rank."""
+    from ray_fsdp_backend.hf.target import describe_entries, target_entries
+
+    text = os.fspath(path)
+    try:
+        fs, root = resolve_filesystem(text, filesystem)
+        names = target_entries(fs, root)
+    except (ValueError, OSError):
+        return []
+    if not names or overwrite:
+        return []
+    return [
+        f"{key}={text!r} is not empty ({describe_entries(names)}): the export would mix two "
+        f"models' files; set {key}_overwrite: true to replace its weights, or choose an empty path"
+    ]
+
+
 def lora_target_errors(base: nn.Module, targets: Sequence[str]) -> list[str]:
     """One message when a LoRA target names no linear layer of ``base`` (the
     key ``model.lora.target_modules``, its value and the layers there are)."""

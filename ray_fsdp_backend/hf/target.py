@@ -49,28 +49,38 @@ def check_target(fs: pafs.FileSystem, root: str, overwrite: bool, uri: str) -> N
     ``uri`` names the target in messages."""
 
     def check() -> None:
-        info = fs.get_file_info(root)
-        if info.type == pafs.FileType.NotFound:
-            return
-        if info.type == pafs.FileType.Directory:
-            entries = fs.get_file_info(pafs.FileSelector(root))
-            names = sorted(posixpath.basename(i.path) for i in entries)
-        else:
-            names = [info.base_name]
-        names = [n for n in names if not n.startswith(_MARKER)]
+        names = target_entries(fs, root)
         if names and not overwrite:
-            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
             raise ExportTargetError(
-                f"export target {uri!r} is not empty ({shown}): exporting into it would mix "
-                "two models' files; pass overwrite=True to replace its weights, or choose "
-                "an empty path"
+                f"export target {uri!r} is not empty ({describe_entries(names)}): exporting "
+                "into it would mix two models' files; pass overwrite=True to replace its "
+                "weights, or choose an empty path"
             )
-        if info.type == pafs.FileType.Directory:
-            for name in names:
-                if name.endswith(".index.json"):
-                    fs.delete_file(posixpath.join(root, name))
+        for name in names:
+            if name.endswith(".index.json"):
+                fs.delete_file(posixpath.join(root, name))
 
     broadcast_from_rank0(check)
+
+
+def target_entries(fs: pafs.FileSystem, root: str) -> list[str]:
+    """What ``root`` already holds: its entries' names (a file: its own name;
+    nothing there: none), rank markers left out."""
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        return []
+    if info.type == pafs.FileType.Directory:
+        names = sorted(
+            posixpath.basename(i.path) for i in fs.get_file_info(pafs.FileSelector(root))
+        )
+    else:
+        names = [info.base_name]
+    return [n for n in names if not n.startswith(_MARKER)]
+
+
+def describe_entries(names: list[str]) -> str:
+    """The first few of ``names``, for a message."""
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def check_shared(fs: pafs.FileSystem, root: str, uri: str) -> None:

@@ -135,13 +135,17 @@ class PretrainedModelConfig:
 
     def check(self) -> list[str]:
         """What the workers would refuse, found on the driver: the checkpoint
-        not found, LoRA targets matching no linear layer
+        not found, an export target that is not empty without
+        ``export_overwrite``, LoRA targets matching no linear layer
         (:func:`~ray_fsdp_backend.hf.check.check_pretrained`: ``config.json``
         only, a meta model, no weights)."""
-        from ray_fsdp_backend.hf.check import check_pretrained
+        from ray_fsdp_backend.hf.check import check_pretrained, export_target_errors
 
         targets = self.lora.target_modules if self.lora is not None else None
-        return check_pretrained(self.pretrained, lora_targets=targets)
+        errors = check_pretrained(self.pretrained, lora_targets=targets)
+        if self.export is not None:
+            errors += export_target_errors(self.export, overwrite=self.export_overwrite)
+        return errors
 
 
 def build_model_section(values: dict[str, Any]):

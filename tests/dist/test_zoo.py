@@ -98,8 +98,9 @@ def _document_masks(model, batch) -> dict[str, torch.Tensor]:
 
 
 def _train(model, batch, count, ctx=None) -> tuple[list[float], list[float]]:
-    """3 AdamW steps of ``token_sum / count``: each step's loss (summed over
-    the cp ranks, averaged over the dp ranks) and pre-clip grad norm."""
+    """3 AdamW steps of ``token_sum / count``: each step's loss (the mean over
+    the ranks, which is the global token mean under the loss rule) and
+    pre-clip grad norm."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
@@ -118,7 +119,7 @@ def _train(model, batch, count, ctx=None) -> tuple[list[float], list[float]]:
         total = loss.detach().clone()
         if ctx is not None:
             dist.all_reduce(total)
-            total /= ctx.world_size / ctx.cp_size  # cp ranks hold shares of one loss
+            total /= ctx.world_size  # docs/long-context.md, "The loss rule"
         losses.append(float(total))
     return losses, norms
 

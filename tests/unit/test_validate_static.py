@@ -55,7 +55,14 @@ def _broken(tmp_path, tiny_llama):
     """(example, overrides, fragment naming the key) for each breakage."""
     empty = tmp_path / "empty-dir"
     empty.mkdir(exist_ok=True)
+    old_export = tmp_path / "old-export"
+    old_export.mkdir(exist_ok=True)
+    (old_export / "model.safetensors").write_bytes(b"weights of another run")
     return [
+        ("finetune_hf",
+         [f"model.pretrained={tiny_llama}", f"model.export={old_export}",
+          "model.export_overwrite=false"],
+         f"model.export={str(old_export)!r} is not empty (model.safetensors)"),
         ("finetune_hf", ["model.pretrained=/no/such/llama"],
          "model.pretrained='/no/such/llama': directory not found"),
         ("finetune_hf", [f"model.pretrained={empty}"], "config.json not found"),
