@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 from ray_fsdp_backend.elastic import elastic_world_sizes, split_global_batch, worker_range
+from ray_fsdp_backend.expert_plan import MoEModel, MoEPlanInputs, format_moe_plan, moe_model_from_hf
 from ray_fsdp_backend.memory import (
     ModelSize,
     estimate_activations,
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, required=True, help="workers per node")
     plan.add_argument(
         "--hf-config",
-        help="a transformers config.json (Llama family): plan that model's shape instead",
+        help="a transformers config.json (Llama family, or a Qwen3-MoE / Mixtral / DeepSeek-V3 "
+        "mixture of experts: dense vs expert memory and expert traffic): plan that model instead",
     )
     _add_set(plan)
     plan.set_defaults(handler=cmd_plan)
@@ -143,12 +145,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load(args.config, args.overrides)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be at least 1")
+    moe = None
     if args.hf_config:
         spec = dataclasses.replace(spec, model=model_config_from_hf(args.hf_config, spec))
-    print(format_plan(spec, args.nodes, args.gpus_per_node))
+        with open(args.hf_config) as f:
+            moe = moe_model_from_hf(json.load(f))
+    print(format_plan(spec, args.nodes, args.gpus_per_node, moe))
     low, high = worker_range(spec.scaling.num_workers)
     if low != high:
-        print(format_elastic_plan(spec, args.gpus_per_node))
+        print(format_elastic_plan(spec, args.gpus_per_node, moe))
     return 0
 
 
@@ -179,7 +184,7 @@ def model_config_from_hf(path: str, spec: RunSpec) -> ModelConfig:
     )
 
 
-def format_elastic_plan(spec: RunSpec, gpus_per_node: int) -> str:
+def format_elastic_plan(spec: RunSpec, gpus_per_node: int, moe: MoEModel | None = None) -> str:
     """Both ends of an elastic run (``num_workers: [min, max]``), as whole
     nodes of ``gpus_per_node`` workers (a partial node shown as such), and
     which worker counts in between the global batch cannot split."""
@@ -190,7 +195,7 @@ def format_elastic_plan(spec: RunSpec, gpus_per_node: int) -> str:
         node_counts = [gpus_per_node] * nodes + ([rest] if rest else [])
         lines.append(f"\n== {label}: {world} workers on nodes of {node_counts} ==")
         try:
-            lines.append(plan_for_nodes(spec, node_counts))
+            lines.append(plan_for_nodes(spec, node_counts, moe))
         except ValueError as exc:
             lines.append(f"refused at this size: {exc}")
     if spec.train.global_batch_size is not None:
@@ -204,13 +209,15 @@ def format_elastic_plan(spec: RunSpec, gpus_per_node: int) -> str:
     return "\n".join(lines)
 
 
-def format_plan(spec: RunSpec, nodes: int, gpus_per_node: int) -> str:
+def format_plan(spec: RunSpec, nodes: int, gpus_per_node: int, moe: MoEModel | None = None) -> str:
     """The ``plan`` report; raises ValueError for a layout the backend refuses."""
-    return plan_for_nodes(spec, [gpus_per_node] * nodes)
+    return plan_for_nodes(spec, [gpus_per_node] * nodes, moe)
 
 
-def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
-    """The ``plan`` report for nodes running ``node_counts`` workers each."""
+def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | None = None) -> str:
+    """The ``plan`` report for nodes running ``node_counts`` workers each;
+    ``moe`` (an ``--hf-config`` MoE model) splits memory into dense and
+    experts and adds the experts' traffic (docs/moe.md)."""
     world = sum(node_counts)
     topology = topology_from_node_counts(node_counts)
     layout = resolve_layout(spec.distributed, topology)
@@ -241,9 +248,11 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int]) -> str:
     lines.append(f"batch:    {batch}")
     lines += format_groups(layout)
     # FSDP2 shards over dp_shard x cp (the cp ranks hold different tokens).
-    lines += format_memory(
-        spec, strategy, layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
-    )
+    shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
+    if moe is None:
+        lines += format_memory(spec, strategy, shard, tp)
+    else:
+        lines += format_moe_memory(spec, moe, strategy, layout, micro)
     lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
     lines += format_expert_groups(layout)
     if cfg.use_dmuon:  # owners span FSDP's dp_shard x cp; TP blocks are gathered over tp
@@ -379,6 +388,36 @@ def format_memory(spec: RunSpec, strategy, shard_size: int, tp: int = 1) -> list
     if est.host:
         lines.append(f"  host (CPU offload) {format_bytes(est.host)} per rank")
     return lines
+
+
+def format_moe_memory(spec: RunSpec, moe: MoEModel, strategy, layout, micro: int) -> list[str]:
+    """The MoE model's memory (dense / experts) and expert traffic for the
+    rows each dp rank runs per step (cp ranks split their tokens)."""
+    cfg, train = spec.distributed, spec.train
+    if strategy is None or layout.axis_size(TP_AXIS) > 1:
+        raise ValueError(
+            "--hf-config with a mixture-of-experts config.json plans FSDP2 layouts only "
+            "(use_fsdp: true, tensor_parallel_size: 1)"
+        )
+    dp = layout.size(DATA_PARALLEL_AXES)
+    if train.global_batch_size is not None:
+        rows = train.global_batch_size // dp
+    else:
+        rows = train.micro_batch_size * train.grad_accum
+    run = MoEPlanInputs(
+        strategy=strategy,
+        shard_size=layout.size((SHARD_AXIS, CP_AXIS)),
+        ep=layout.expert_parallel_size,
+        tokens=rows * spec.model.seq_len // layout.axis_size(CP_AXIS),
+        micro_batches=max(1, rows // micro),
+        memory_kwargs=dict(
+            mixed_precision=cfg.use_mixed_precision,
+            reduce_fp32=cfg.fsdp_reduce_dtype == "fp32",
+            cpu_offload=cfg.fsdp_cpu_offload,
+            accumulate_unsharded=cfg.fsdp_accumulate_unsharded,
+        ),
+    )
+    return format_moe_plan(moe, run, spec.train.optimizer)
 
 
 def format_activations(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list[str]:

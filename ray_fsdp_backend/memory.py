@@ -161,6 +161,106 @@ def estimate_memory(
     return MemoryEstimate(params=0, grads=0, optimizer=0, transient=transient, host=host)
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """The routed experts of a mixture-of-experts decoder (docs/moe.md)."""
+
+    moe_layers: int
+    """Layers whose MLP is routed experts."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+
+    top_k: int
+    """Experts each token is sent to."""
+
+    dim: int
+    """Width of the residual stream: what a token carries to its experts."""
+
+    expert_hidden: int
+    """Each expert's SwiGLU hidden width (``moe_intermediate_size``)."""
+
+    @property
+    def layer_params(self) -> int:
+        """One MoE layer's experts: gate, up and down projections each."""
+        return 3 * self.num_experts * self.dim * self.expert_hidden
+
+    @property
+    def params(self) -> int:
+        return self.moe_layers * self.layer_params
+
+
+@dataclass(frozen=True)
+class ExpertTraffic:
+    """Bytes one rank sends per optimizer step for the experts, by collective."""
+
+    all_to_all: int
+    all_gather: int
+    reduce_scatter: int
+
+    @property
+    def total(self) -> int:
+        return self.all_to_all + self.all_gather + self.reduce_scatter
+
+
+def estimate_expert_memory(
+    experts: ExpertShape, strategy: ShardingStrategy, shard_size: int, ep: int, **kwargs
+) -> MemoryEstimate:
+    """Per-GPU model state of the routed experts: an ep rank holds ``1 / ep``
+    of every MoE layer's experts, FSDP2-sharded over the ``shard_size / ep``
+    efsdp ranks, and gathers one layer's ``1 / ep`` at a time. ``kwargs``
+    are :func:`estimate_memory`'s (tensor parallelism excepted: EP refuses it).
+
+    Raises:
+        ValueError: ``ep`` does not divide ``shard_size`` or the expert count.
+    """
+    if ep < 1 or shard_size % ep or experts.num_experts % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} must divide dp_shard x cp = {shard_size} and the "
+            f"expert count {experts.num_experts}"
+        )
+    held = ModelSize(
+        num_params=experts.params // ep, largest_unit_params=experts.layer_params // ep
+    )
+    return estimate_memory(held, strategy, shard_size // ep, **kwargs)
+
+
+def estimate_expert_traffic(
+    experts: ExpertShape,
+    tokens: int,
+    *,
+    ep: int,
+    shard_size: int,
+    micro_batches: int = 1,
+    reshard_after_forward: bool = True,
+    value_bytes: int = 2,
+    reduce_bytes: int = 2,
+) -> ExpertTraffic:
+    """Bytes a rank sends per step for the experts, ``tokens`` being the
+    tokens it routes per step (its rows x sequence / cp, all micro-batches).
+
+    With EP (``ep > 1``) each MoE layer moves the rank's ``tokens x top_k``
+    hidden vectors to the experts' ranks and back (dispatch and combine), in
+    forward and again in backward (their gradients): ``4 L t k h`` values, of
+    which ``(ep - 1) / ep`` leave the rank under even routing. Both with and
+    without EP, FSDP2 all-gathers the experts a rank holds (``P / ep``) over
+    the ``s = shard_size / ep`` ranks sharding them, once per micro-batch in
+    forward and again in backward under ``reshard_after_forward``, and
+    reduce-scatters their gradient once per step (the trainer syncs on the
+    last micro-batch only); a ring moves ``(s - 1) / s`` of the tensor.
+    Without EP (``ep = 1``) that is every expert over the whole shard group.
+    """
+    efsdp = shard_size // ep
+    exchanged = 4 * experts.moe_layers * tokens * experts.top_k * experts.dim * value_bytes
+    held = experts.params // ep
+    gathers = micro_batches * (2 if reshard_after_forward else 1)
+    return ExpertTraffic(
+        all_to_all=exchanged * (ep - 1) // ep,
+        all_gather=gathers * held * value_bytes * (efsdp - 1) // efsdp,
+        reduce_scatter=held * reduce_bytes * (efsdp - 1) // efsdp,
+    )
+
+
 def format_bytes(n: int) -> str:
     """``1536`` -> ``'1.5 KiB'``."""
     if n < 1024:
