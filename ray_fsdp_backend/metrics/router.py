@@ -40,7 +40,10 @@ class RouterStats:
     def _counter(self, label: str):
         def hook(module, inputs, output) -> None:
             logits, _, index = output
-            counts = torch.bincount(index.detach().flatten(), minlength=logits.shape[-1])
+            # index_add_, not bincount: CUDA's bincount reads the largest id to the host.
+            flat = index.detach().flatten()
+            counts = torch.zeros(logits.shape[-1], dtype=torch.long, device=flat.device)
+            counts.index_add_(0, flat, torch.ones_like(flat))
             previous = self._counts.get(label)
             self._counts[label] = counts if previous is None else previous + counts
 

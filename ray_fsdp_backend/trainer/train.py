@@ -89,6 +89,8 @@ class TrainRun:
     read only at logged steps), counted over the whole run across restarts."""
     skipped_logged: int = 0
     board: TensorBoardWriter | None = None
+    router: Any = None
+    """A mixture-of-experts model's :class:`RouterStats` (no hooks on a dense one)."""
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -172,6 +174,7 @@ def setup_run(
         skipped=torch.tensor(float(skipped), device=ctx.device),
         skipped_logged=skipped,
         board=board,
+        router=ctx.router_stats(model),
     )
 
 
@@ -185,13 +188,15 @@ def log_step(ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult) -
     """Report ``step``'s metrics (and save a checkpoint when one is due).
     Collective: every rank reaches it at the same steps. The step's device
     scalars cross to the host here, in one copy (``StepMeter.measure``)."""
+    mean = {"loss": result.loss}
+    if result.aux_loss is not None:  # transformers' load-balancing loss, averaged over ranks
+        mean["aux_loss"] = result.aux_loss
     metrics = {
         "step": step,
         **run.meter.measure(
-            step,
-            mean={"loss": result.loss},
-            same={"grad_norm": result.grad_norm, "skipped_steps": run.skipped},
+            step, mean=mean, same={"grad_norm": result.grad_norm, "skipped_steps": run.skipped}
         ),
+        **run.router.collect(),  # per-layer expert load over the global batch (docs/moe.md)
         "lr": run.schedule.get_last_lr()[0],
         "data_position": run.batches.position,
         "world_size": ctx.world_size,
@@ -246,6 +251,10 @@ class StepResult(NamedTuple):
     """The global pre-clip gradient norm (equal on every rank)."""
     skipped: torch.Tensor
     """1.0 when the norm was not finite and the step was skipped, else 0.0."""
+    aux_loss: torch.Tensor | None = None
+    """A mixture-of-experts model's auxiliary load-balancing loss (its
+    output's ``aux_loss``, with ``output_router_logits``), this rank's mean
+    over the micro-batches; logged, not added to the loss (docs/moe.md)."""
 
 
 def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None) -> StepResult:
@@ -265,6 +274,7 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     ]
     count = ctx.global_token_count([batch["targets"] for batch in micro_batches])
     total = torch.zeros((), device=ctx.device)
+    aux_total = None
     for micro, batch in enumerate(micro_batches):
         inputs, targets = batch["input_ids"], batch["targets"]
         if meter is not None and ctx.tp_rank == 0:  # a tp group trains one copy of the rows
@@ -272,20 +282,23 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.sequence_region(), ctx.loss_parallel():
-            logits = model(inputs, position_ids=model_positions(ctx, spec, batch))
-            logits = getattr(logits, "logits", logits)  # a transformers model's output
+            output = model(inputs, position_ids=model_positions(ctx, spec, batch))
+            logits = getattr(output, "logits", output)  # a transformers model's output
+            aux = getattr(output, "aux_loss", None)  # an MoE's, with output_router_logits
             token_sum = F.cross_entropy(
                 logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
             )
             loss = token_sum / count
             loss.backward()
         total += local_value(loss.detach())
+        if aux is not None:
+            aux_total = aux.detach() / accum + (0 if aux_total is None else aux_total)
     # max_grad_norm 0 (or null): no clipping, the norm is still measured.
     grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
     # Every rank sees the same global norm, so all skip together.
     skipped = step_if_finite(optimizer, grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, grad_norm, skipped)
+    return StepResult(total, grad_norm, skipped, aux_total)
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:
