@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 
 class RankFailedError(RuntimeError):
@@ -56,6 +57,26 @@ def raise_if_any_failed(error: BaseException | None, what: str) -> None:
     dist.all_gather_object(messages, mine)
     named = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
     raise RankFailedError(f"{what} failed on {named}") from error
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t`` on every rank (collective for a DTensor: every rank
+    calls it, in the same order), a plain tensor returned as it is.
+
+    One mesh dim at a time, as ``DTensor.full_tensor`` would, in the same
+    collectives: FSDP2 over tensor parallelism places a weight
+    ``(_StridedShard(0), Shard(0))``, whose two all-gathers torch cannot merge
+    (the tp split is the outer one), and ``full_tensor`` warns so once per
+    mesh on every rank ("2 sequential all_gather operations ... it is not
+    possible to merge non-ascending order", torch 2.13 _redistribute.py)."""
+    if not isinstance(t, DTensor):
+        return t
+    placements = list(t.placements)
+    for dim, placement in enumerate(placements):
+        if not placement.is_replicate():
+            placements[dim] = Replicate()
+            t = t.redistribute(placements=placements)
+    return t.to_local()
 
 
 def _nccl_only() -> bool:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ray_fsdp_backend.collectives import full_tensor
 from ray_fsdp_backend.hf.entries import ExpertsEntry, TensorEntry
 
 # fused model suffix -> per-expert checkpoint names concatenated along dim 0, per family
@@ -123,7 +123,7 @@ def split_experts(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[s
         if suffix is None:
             out[key] = value
             continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = full_tensor(value)
         names = _FUSED[suffix][family]
         prefix = key[: -len(suffix)]
         for e, expert in enumerate(full.detach()):

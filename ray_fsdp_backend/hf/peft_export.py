@@ -31,6 +31,7 @@ from safetensors.torch import save
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ray_fsdp_backend.collectives import full_tensor
 from ray_fsdp_backend.hf.peft import ADAPTER_WEIGHTS, peft_names
 from ray_fsdp_backend.hf.writer import write_bytes
 from ray_fsdp_backend.strategies.peft import peft_configs, tuner_layers, unwrap
@@ -81,7 +82,7 @@ def export_peft(
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+    return full_tensor(t).cpu()
 
 
 def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

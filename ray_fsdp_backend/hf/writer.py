@@ -4,8 +4,8 @@ The plan is pure and the same on every rank (:func:`plan_export`): the
 tensors in state-dict order, cut into ``world`` groups of about equal bytes
 (so that every rank has a part to write) and each group into files of at
 most ``max_shard_size``, each file given to one rank, balancing bytes. Then every rank walks the
-tensors in that order: a sharded tensor (``DTensor``) is gathered with
-``full_tensor()`` (a collective: every rank takes part, one tensor at a
+tensors in that order: a sharded tensor (``DTensor``) is gathered by
+``collectives.full_tensor`` (a collective: every rank takes part, one tensor at a
 time), and the rank that owns the tensor's file streams its bytes straight
 into that file, its header first (known from the plan). Each file is
 whole or absent: on object storage each rank stages its own files and
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend.collectives import raise_if_any_failed
+from ray_fsdp_backend.collectives import full_tensor, raise_if_any_failed
 from ray_fsdp_backend.hf.safetensors_io import build_header
 from ray_fsdp_backend.retrying_fs import open_whole
 
@@ -139,7 +138,7 @@ def write_files(
                 sink.write(file_header(state, plan, dtype))
             for key in plan.keys:
                 value = state[key].detach()
-                full = value.full_tensor() if isinstance(value, DTensor) else value
+                full = full_tensor(value)
                 if sink is not None:
                     data = full.to("cpu", export_dtype(full, dtype)).contiguous()
                     sink.write(data.reshape(-1).view(torch.uint8).numpy())

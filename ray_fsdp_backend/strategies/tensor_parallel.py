@@ -200,7 +200,8 @@ def _style(style, options: TPOptions, output_head: bool = False) -> ParallelStyl
     seq = Shard(1)
     if style in GATHER_OUTPUT:
         split_logits = output_head and options.loss_parallel
-        return ColwiseParallel(
+        head = _OutputHeadParallel if output_head else ColwiseParallel
+        return head(
             input_layouts=seq if sp and output_head else Replicate(),
             output_layouts=Shard(-1) if split_logits else Replicate(),
             use_local_output=not split_logits,
@@ -243,6 +244,25 @@ class _EmbeddingParallel(RowwiseParallel):
             output_layouts, use_local_output, mod, outputs, device_mesh
         )
         return outputs.clone() if isinstance(outputs, AsyncCollectiveTensor) else outputs
+
+
+class _OutputHeadParallel(ColwiseParallel):
+    """The output head split over the vocabulary, its gathered logits a
+    tensor of their own.
+
+    ``DTensor.to_local`` returns a view (``view_as``, torch 2.13), and the
+    head's output is the model's: FSDP2 hooks its pre-backward all-gather on
+    the root's outputs and warns that an in-place op on a view ("returned a
+    view tensor ... will silently drop the pre-backward hook") loses it. A
+    clone (one copy of the logits; the gathered one is freed at once) is a
+    tensor the hook stays on. Split logits (``loss_parallel``) stay DTensors."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = ColwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+        return outputs.clone() if outputs._base is not None else outputs
 
 
 class _ReplicateStyle(ParallelStyle):

@@ -10,7 +10,9 @@ rows regrouped as 4 micro-batches of 2 (an elastic resize's ``grad_accum``). Eac
 and pre-clip grad norm must match (relative 1e-4), and the tokens counted
 once per tp group (compile: its one step, as compiling costs minutes on 2
 CPU cores). The same spawn checks that ``ctx.wrap`` refuses a LoRA model at
-tp 2. Measured: every layout within 1e-6 of one process except compile,
+tp 2. The plain tp 2 run's warnings and log lines must be only those
+docs/monitoring.md lists as expected (the quick start e2e's check, without
+a Ray fit). Measured: every layout within 1e-6 of one process except compile,
 whose step-1 grad norm is 0.82 against 1.14 until the TP x compile fix.
 """
 
@@ -41,6 +43,7 @@ OVERRIDES = [
     "data.packing=true",
 ]
 LAYOUTS = {  # settings, and overrides of the spec
+    "tp2": (dict(tensor_parallel_size=2), []),  # its console is checked too
     "tp2 loss_parallel": (dict(tensor_parallel_size=2, loss_parallel=True), []),
     # One step: compiling on CPU costs minutes on 2 cores; the step-1 grad norm shows it all.
     "tp2 compile": (dict(tensor_parallel_size=2, compile=True), ["train.steps=1"]),
@@ -78,9 +81,36 @@ def _peft_under_tp() -> str:
     return "wrapped"
 
 
+def _console_of(fn):
+    """``fn()``'s result, and the warnings and WARNING-or-worse log records
+    it raised as console lines, with the trainer's console settings
+    (``quiet_console``) in force."""
+    import logging
+    import warnings
+
+    from ray_fsdp_backend.metrics.reporting import quiet_console
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_console(False)
+            result = fn()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    lines = [f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught]
+    return result, lines + [f"{r.levelname} {r.name}: {r.getMessage()}" for r in records]
+
+
 def _all_layouts(rank, world):
-    results = {name: _train(rank, world, *layout) for name, layout in LAYOUTS.items()}
-    return {**results, "peft tp2": _peft_under_tp()}
+    results = {
+        name: _train(rank, world, *layout) for name, layout in LAYOUTS.items() if name != "tp2"
+    }
+    results["tp2"], console = _console_of(lambda: _train(rank, world, *LAYOUTS["tp2"]))
+    return {**results, "peft tp2": _peft_under_tp(), "tp2 console": console}
 
 
 def _one_process(rank, world):
@@ -115,13 +145,21 @@ def _assert_matches(got, want):
         assert got[key] == pytest.approx(want[key][:steps], rel=1e-4), key
 
 
-@pytest.mark.parametrize("layout", ["tp2 loss_parallel", "cp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2 loss_parallel", "cp2", "dp2"])
 def test_trainer_loop_equals_one_process(results, reference, layout):
     _assert_matches(results[layout], reference)
 
 
 def test_trainer_loop_tp_compile_equals_one_process(results, reference):
     _assert_matches(results["tp2 compile"], reference)
+
+
+def test_tp_console_is_quiet(results):
+    """A tp 2 run's warnings and log lines (rank 0) are only those
+    docs/monitoring.md lists as expected (the quick start's e2e check)."""
+    from tests.e2e.test_quickstart import assert_quiet
+
+    assert_quiet("\n".join(results["tp2 console"]))
 
 
 def test_wrap_refuses_lora_under_tensor_parallelism(results):
