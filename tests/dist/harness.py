@@ -78,3 +78,23 @@ def run_ranks(fn, world_size: int, *args):
             raise AssertionError(f"a rank failed:\n{details or exc}") from None
         with open(os.path.join(out_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def train_step(model, loss, opt, ctx=None) -> tuple[float, float]:
+    """Backward ``loss`` (this rank's share of the global token mean: docs/
+    long-context.md, "The loss rule"), clip at 1.0 (torch's clip in one
+    process, ``ctx.clip_grad_norm`` across ranks) and step ``opt``. Returns
+    the loss as the mean over ranks (the global mean) and the pre-clip norm."""
+    loss.backward()
+    if ctx is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    else:
+        norm = ctx.clip_grad_norm(model, 1.0, optimizer=opt)
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    if ctx is not None:
+        dist.all_reduce(total)
+        total /= ctx.world_size
+    return float(total), float(norm)

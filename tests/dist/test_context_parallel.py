@@ -32,7 +32,7 @@ from ray_fsdp_backend.context_parallel import (
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
 from ray_fsdp_backend.hf.models import build_causal_lm
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
-from tests.dist.harness import run_ranks
+from tests.dist.harness import run_ranks, train_step
 
 SEQ = 32
 STEPS = 3
@@ -146,18 +146,9 @@ def _train(
     losses, norms = [], []
     for _ in range(steps):
         loss = _token_loss(_forward(model, batch), batch["labels"], count)
-        loss.backward()
-        if ctx is None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        else:
-            norms.append(float(ctx.clip_grad_norm(model, 1.0, optimizer=opt)))
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if ctx is not None:
-            dist.all_reduce(total)
-            total /= ctx.world_size  # the mean of the ranks' shares is the global mean
-        losses.append(float(total))
+        total, norm = train_step(model, loss, opt, ctx)
+        losses.append(total)
+        norms.append(norm)
     return losses, norms
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel import pack_documents, shard_sequence
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
-from tests.dist.harness import run_ranks
+from tests.dist.harness import run_ranks, train_step
 from tests.zoo_families import FAMILIES, SEQ, VOCAB, build_family
 
 pytest.importorskip("transformers")
@@ -109,18 +108,9 @@ def _train(model, batch, count, ctx=None) -> tuple[list[float], list[float]]:
         logits = model(**inputs).logits
         flat = logits.float().flatten(0, 1)
         loss = F.cross_entropy(flat, batch["labels"].flatten(), reduction="sum") / count
-        loss.backward()
-        if ctx is None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
-        else:
-            norms.append(float(ctx.clip_grad_norm(model, 1.0, optimizer=opt)))
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if ctx is not None:
-            dist.all_reduce(total)
-            total /= ctx.world_size  # docs/long-context.md, "The loss rule"
-        losses.append(float(total))
+        total, norm = train_step(model, loss, opt, ctx)
+        losses.append(total)
+        norms.append(norm)
     return losses, norms
 
 
