@@ -222,7 +222,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
     topology = topology_from_node_counts(node_counts)
     layout = resolve_layout(spec.distributed, topology)
     cfg = spec.distributed
-    errors = tensor_parallel_errors(cfg, spec.model, None)
+    errors = tensor_parallel_errors(cfg, spec.model)
     if errors:
         raise ValueError("; ".join(errors))
     dp_size = layout.size(DATA_PARALLEL_AXES)

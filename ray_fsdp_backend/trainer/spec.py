@@ -383,7 +383,7 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         train, built.get("scaling"), group
     )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
-    errors += tensor_parallel_errors(dist, model, data)
+    errors += tensor_parallel_errors(dist, model)
     errors += qlora_errors(dist, model)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
@@ -448,9 +448,10 @@ def qlora_errors(dist, model) -> list[str]:
     return [f"{key} with {what}: QLoRA runs on FSDP2 / HSDP" for bad, what in rules if bad]
 
 
-def tensor_parallel_errors(dist, model, data) -> list[str]:
+def tensor_parallel_errors(dist, model) -> list[str]:
     """Model shapes the tp size does not divide (the byte-level decoder's are
-    known here; a pretrained model's are checked by ``ctx.wrap``)."""
+    known here; a pretrained model's are checked by ``ctx.wrap``), and LoRA
+    adapters, which the tensor-parallel plan does not split."""
     if dist is None or dist.tensor_parallel_size == 1:
         return []
     tp, errors = dist.tensor_parallel_size, []
