@@ -35,7 +35,7 @@ from ray_fsdp_backend import FSDPConfig, build_strategy
 from ray_fsdp_backend.hf import export_model, load_pretrained
 from ray_fsdp_backend.hf.models import build_causal_lm
 from tests.dist.harness import run_ranks
-from tests.hf_models import input_ids, save_tiny_pretrained
+from tests.hf_models import fine_tune, input_ids, save_tiny_pretrained
 
 pytest.importorskip("transformers")
 
@@ -97,13 +97,7 @@ def _scenarios(rank, world, src, base):
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)
     model = strategy.wrap(build_causal_lm(src))
     load_pretrained(model, src)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = input_ids(batch=2 * world)
-    for _ in range(2):
-        opt.zero_grad()
-        mine = ids[2 * rank : 2 * rank + 2]
-        model(mine, labels=mine).loss.backward()
-        opt.step()
+    fine_tune(model, rank, world)
     trained = _logits(model)
     log = {}
 

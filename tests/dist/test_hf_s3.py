@@ -23,7 +23,7 @@ from ray_fsdp_backend.hf import export_model, load_pretrained
 from ray_fsdp_backend.hf.models import build_causal_lm, load_tokenizer
 from tests.counting_fs import RoundTrips
 from tests.dist.harness import run_ranks
-from tests.hf_models import input_ids, save_tiny_pretrained
+from tests.hf_models import fine_tune, input_ids, save_tiny_pretrained
 
 pytest.importorskip("transformers")
 
@@ -52,13 +52,7 @@ def _load_train_export(rank, world, s3):
     load_calls, sequential = list(timed.calls), timed.sequential()
     slices = len(reader.entries)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = input_ids(batch=2 * world)
-    for _ in range(2):
-        opt.zero_grad()
-        mine = ids[2 * rank : 2 * rank + 2]
-        model(mine, labels=mine).loss.backward()
-        opt.step()
+    fine_tune(model, rank, world)
     export_model(model, f"s3://{EXPORT}", filesystem=timed.filesystem, max_shard_size="20KB")
     trained = _logits(model)
     everyone = [None] * world

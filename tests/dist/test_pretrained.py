@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
 from ray_fsdp_backend.hf.models import build_causal_lm
 from tests.dist.harness import run_ranks
-from tests.hf_models import input_ids, save_tiny_pretrained
+from tests.hf_models import fine_tune, input_ids, save_tiny_pretrained
 
 pytest.importorskip("transformers")
 
@@ -129,12 +129,7 @@ def _finetune_export(rank, world, path, out, name):
     strategy = build_strategy(_config(name), device=torch.device("cpu"), local_rank=rank)
     model = strategy.wrap(build_causal_lm(path))
     load_pretrained(model, path)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = input_ids(batch=2 * world)
-    for _ in range(3):
-        opt.zero_grad()
-        model(ids[2 * rank : 2 * rank + 2], labels=ids[2 * rank : 2 * rank + 2]).loss.backward()
-        opt.step()
+    fine_tune(model, rank, world, steps=3)
     from ray_fsdp_backend.hf import export_model
 
     export_model(model, os.path.join(out, "fp32"), max_shard_size="20KB", dtype=torch.float32)
