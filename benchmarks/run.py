@@ -103,7 +103,7 @@ SETTINGS = {
         "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
         "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
-        "pretrained": dict(worlds=(1, 2), dim=64, layers=2, vocab=512, reps=1),
+        "pretrained": dict(worlds=(2,), dim=64, layers=2, vocab=512, reps=1),
         "checkpoint_io": dict(worlds=(2,), model=TINY, reps=1, steps=2),
         # dim 256: every shard of every linear weight a multiple of NF4's 64 x 256 (QLoRA)
         "lora": dict(worlds=(2,), dim=256, layers=2, vocab=512, steps=1, batch=2, seq=16),
