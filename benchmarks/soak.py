@@ -11,13 +11,18 @@ save. The run is flat when, after warm-up (the first eighth of the steps):
   ``max(2%, 16 MiB)`` above the median of the second eighth;
 - descriptors and threads never exceed the second eighth's maximum by more
   than the asynchronous writer coming and going (2);
-- no temporary files remain (the workers' ``TMPDIR`` is a fresh directory;
-  staged uploads spill there above a small spool size, set low here so the
-  spill path runs);
+- no temporary files remain (the workers' ``TMPDIR`` is a fresh directory);
+  files above a small threshold (64 KiB here) are streamed as multipart
+  uploads, so the streaming path runs at every save;
 - the store holds at most ``num_to_keep`` + 1 checkpoints at the end.
 
     python -m benchmarks.soak                      # 800 steps, every 10 (~10 min on 2 cores)
     python -m benchmarks.soak --steps 160 --every 4
+    python -m benchmarks.soak --dim 320            # per-rank checkpoint files of ~15 MiB
+
+Also reported: the median RSS of steps 300-400 of 800 (the fourth eighth)
+against that of the last eighth (``rss_flat_mid``: within 16 MiB), and the
+size of each rank's checkpoint file in the last checkpoint.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ import statistics
 import tempfile
 import time
 
+import pyarrow.fs as pafs
+
 MIB = 1024 * 1024
 MODEL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, seq_len=32)
+"""The example decoder at ``dim`` 64; ``--dim`` changes the width."""
 BUCKET = "soak"
 
 
@@ -44,10 +52,10 @@ def train_soak(config: dict) -> dict:
     from benchmarks._workload import build_model, loss_fn, make_optimizer
     from ray_fsdp_backend import retry, retrying_fs
 
-    retrying_fs.SPOOL_MEMORY_BYTES = config["spool_bytes"]
+    retrying_fs.STREAM_ABOVE_BYTES = config["stream_above"]
     ctx = rfb.get_context()
     torch.set_num_threads(1)
-    model = ctx.wrap(build_model(MODEL))
+    model = ctx.wrap(build_model({**MODEL, "dim": config["dim"]}))
     opt = make_optimizer(model)
     extra = ctx.restore_checkpoint(model, opt)
     start = extra["step"] if extra else 0
@@ -71,8 +79,8 @@ def train_soak(config: dict) -> dict:
     return everyone
 
 
-def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
-        workers=2, windows=8) -> dict:  # fmt: skip
+def run(*, steps=800, every=10, keep=2, throttle=0.1, stream_above=64 * 1024,
+        workers=2, windows=8, dim=64) -> dict:  # fmt: skip
     """Run the soak (starts its own Ray cluster and moto S3 server); returns
     each worker's samples and the checks (see the module docstring, where
     ``windows`` is 8: the RSS medians compared are those of the second and
@@ -97,7 +105,8 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
         try:
             result = TorchTrainer(
                 train_soak,
-                train_loop_config=dict(steps=steps, every=every, spool_bytes=spool_bytes),
+                train_loop_config=dict(steps=steps, every=every, stream_above=stream_above,
+                                       dim=dim),
                 torch_config=rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False),
                 scaling_config=ScalingConfig(num_workers=workers),
                 run_config=RunConfig(name="soak", storage_path=f"{BUCKET}/runs",
@@ -110,12 +119,17 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, spool_bytes=64 * 1024,
         seconds = time.monotonic() - start
         direct = S3Server(s3.port).filesystem()
         checkpoints = CheckpointStore(direct, f"{BUCKET}/runs/soak").list_checkpoints()
+        last = pafs.FileSelector(f"{BUCKET}/runs/soak/{checkpoints[-1]}", recursive=True)
+        shards = {i.base_name: i.size for i in direct.get_file_info(last)
+                  if i.base_name.endswith(".distcp")}  # fmt: skip
         # torch creates its compile cache directory there on import: not a leftover.
         leftovers = [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")]
     out = summarize(result.return_value, steps=steps, windows=windows, keep=keep,
                     checkpoints=checkpoints, leftovers=leftovers,
                     injected=dict(proxy.injected))  # fmt: skip
-    settings = dict(steps=steps, every=every, keep=keep, throttle=throttle, workers=workers)
+    out["rank_file_mib"] = {name: size / MIB for name, size in shards.items()}
+    settings = dict(steps=steps, every=every, keep=keep, throttle=throttle, workers=workers,
+                    dim=dim)  # fmt: skip
     return {**out, "fit_s": seconds, "settings": settings}
 
 
@@ -129,14 +143,18 @@ def summarize(workers: list[dict], *, steps, windows, keep, checkpoints, leftove
         samples = worker["samples"]
         warm = [s for s in samples if eighth < s["step"] <= 2 * eighth]
         late = [s for s in samples if s["step"] > steps - eighth]
+        mid = [s for s in samples if 3 * eighth < s["step"] <= 4 * eighth]
         after = [s for s in samples if s["step"] > 2 * eighth]
         warm_rss = statistics.median(s["rss"] for s in warm)
         late_rss = statistics.median(s["rss"] for s in late)
+        mid_rss = statistics.median(s["rss"] for s in mid)
         row = {
             "rank": rank,
             "rss_warm_mib": warm_rss / MIB,
             "rss_late_mib": late_rss / MIB,
             "rss_growth_mib": (late_rss - warm_rss) / MIB,
+            "rss_mid_mib": mid_rss / MIB,
+            "rss_growth_from_mid_mib": (late_rss - mid_rss) / MIB,
             "fds_warm_max": max(s["fds"] for s in warm),
             "fds_after_max": max(s["fds"] for s in after),
             "threads_warm_max": max(s["threads"] for s in warm),
@@ -145,6 +163,7 @@ def summarize(workers: list[dict], *, steps, windows, keep, checkpoints, leftove
             "storage_retry_s": worker["retries"][1],
         }
         row["rss_flat"] = late_rss - warm_rss <= max(0.02 * warm_rss, 16 * MIB)
+        row["rss_flat_mid"] = abs(late_rss - mid_rss) <= 16 * MIB
         row["fds_flat"] = row["fds_after_max"] <= row["fds_warm_max"] + 2
         row["threads_flat"] = row["threads_after_max"] <= row["threads_warm_max"] + 2
         rows.append(row)
@@ -164,9 +183,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--throttle", type=float, default=0.1)
+    parser.add_argument("--dim", type=int, default=64, help="the decoder's width")
     parser.add_argument("--out", help="also write the samples and checks here (JSON)")
     args = parser.parse_args(argv)
-    out = run(steps=args.steps, every=args.every, keep=args.keep, throttle=args.throttle)
+    out = run(steps=args.steps, every=args.every, keep=args.keep, throttle=args.throttle,
+              dim=args.dim)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,23 +1,22 @@
-"""What staging an upload costs: one large shard to the moto S3 server,
-staged through the retry layer vs streamed by ``pyarrow``'s own multipart
-output stream.
+"""Spooled vs streamed: one large shard to the moto S3 server through the
+retry layer, written whole or absent both ways.
 
-- ``staged``: :func:`ray_fsdp_backend.retrying_fs.open_whole` on the
-  retrying filesystem, as the Hugging Face exporter and DCP's writer use it:
-  the bytes are spooled (memory up to ``SPOOL_MEMORY_BYTES``, then an
-  anonymous temporary file), then uploaded whole on commit, retried whole;
-  a writer that raises uploads nothing.
-- ``streamed``: ``S3FileSystem.open_output_stream`` written directly: parts
-  uploaded in the background as they fill (the AWS SDK retries each
-  request); ``pyarrow`` 26 cannot abort it from Python, so a writer that
-  raises still publishes what it wrote.
+- ``spooled``: the layer as it was before it streamed (reproduced here by
+  :class:`Spooled`): the bytes go to a spool (memory up to 16 MiB, then an
+  anonymous temporary file), and are uploaded whole on commit, at most
+  64 MiB of parts in flight; a retry uploads the whole file again.
+- ``streamed``: :func:`ray_fsdp_backend.retrying_fs.open_whole` on the
+  retrying filesystem, as the Hugging Face exporter and DCP's writer use it
+  now: past ``STREAM_ABOVE_BYTES`` the bytes go straight into the client's
+  multipart upload (parts retried by the S3 client), at most
+  ``UPLOAD_WINDOW_BYTES`` queued.
 
 Each mode runs in a fresh process (the moto server in another) writing the
 same bytes in 16 MiB chunks, as the exporter writes tensors. Reported per
 mode: seconds (median of ``--reps``; and when the writer's last byte was
-written, before the commit), the writer's peak RSS, and the local
-disk the upload used (the spool file's size, and the drop of free space on
-``TMPDIR``'s filesystem, sampled every 10 ms). The overhead is staged /
+written, before the commit), the writer's peak RSS, and the local disk the
+upload used (the spool file's size, and the drop of free space on
+``TMPDIR``'s filesystem, sampled every 10 ms). The overhead is spooled /
 streamed - 1.
 
     python -m benchmarks.upload_stream                # a 1 GiB shard, 3 repetitions
@@ -27,6 +26,7 @@ streamed - 1.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -34,11 +34,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 MIB = 1024 * 1024
 CHUNK = 16 * MIB
+MODES = ("spooled", "streamed")
 BUCKET = "upload-bench"
 _SERVER = """
 import sys, time
@@ -80,10 +82,40 @@ class _DiskWatch:
         return max(0, self.peak)
 
 
+class Spooled(io.RawIOBase):
+    """The whole-file spool the retry layer used before it streamed: memory
+    up to 16 MiB, then an anonymous temporary file, uploaded whole on
+    commit (retried whole), 64 MiB of parts in flight at most."""
+
+    def __init__(self, fs, path: str):
+        super().__init__()
+        self._fs, self._path = fs, path
+        self.spool = tempfile.SpooledTemporaryFile(max_size=16 * MIB)
+
+    def write(self, data):
+        return self.spool.write(data)
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None:
+            self._fs.handler.retry(self._upload, f"writing {self._path}")
+        self.spool.close()
+        return False
+
+    def _upload(self) -> None:
+        self.spool.seek(0)
+        with self._fs.handler.fs.open_output_stream(self._path) as out:
+            pending = 0
+            while chunk := self.spool.read(8 * MIB):
+                out.write(chunk)
+                pending += len(chunk)
+                if pending >= 64 * MIB:
+                    out.flush()
+                    pending = 0
+
+
 def upload(mode: str, port: int, mib: int) -> dict:
     """One upload of ``mib`` MiB in this process; what it cost."""
     import resource
-    import tempfile
 
     import numpy as np
 
@@ -94,16 +126,14 @@ def upload(mode: str, port: int, mib: int) -> dict:
     path = f"{BUCKET}/{mode}.safetensors"
     watch = _DiskWatch(tempfile.gettempdir())
     start = time.perf_counter()
-    if mode == "staged":
-        out = retrying_fs.open_whole(retrying_fs.with_retries(s3), path)
-    else:
-        out = s3.open_output_stream(path)
+    fs = retrying_fs.with_retries(s3)
+    out = Spooled(fs, path) if mode == "spooled" else retrying_fs.open_whole(fs, path)
     spooled = 0
     with out:
         for _ in range(mib * MIB // CHUNK):
             out.write(chunk)
-        if mode == "staged" and out._spool._rolled:  # the spool's file: the local disk used
-            spooled = os.fstat(out._spool.fileno()).st_size
+        if mode == "spooled" and out.spool._rolled:  # the spool's file: the local disk used
+            spooled = os.fstat(out.spool.fileno()).st_size
         written = time.perf_counter() - start  # the writer's last byte; then the commit
     seconds = time.perf_counter() - start
     disk = watch.stop()
@@ -130,9 +160,9 @@ def run(mib: int, reps: int) -> dict:
         s3.create_dir(BUCKET)
         with s3.open_output_stream(f"{BUCKET}/warm-up") as out:  # moto's first request is slow
             out.write(b"x" * MIB)
-        rows: dict[str, list[dict]] = {"staged": [], "streamed": []}
+        rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for rep in range(reps):  # alternating order: drifting load hits both alike
-            for mode in ("staged", "streamed") if rep % 2 == 0 else ("streamed", "staged"):
+            for mode in MODES if rep % 2 == 0 else MODES[::-1]:
                 rows[mode].append(_in_child(mode, port, mib))
     finally:
         server.stdin.close()
@@ -140,6 +170,7 @@ def run(mib: int, reps: int) -> dict:
     summary = {
         mode: {
             "seconds": statistics.median(r["seconds"] for r in runs),
+            "runs_s": [r["seconds"] for r in runs],
             "write_s": statistics.median(r["write_s"] for r in runs),
             "peak_rss_mib": max(r["peak_rss"] for r in runs) / MIB,
             "spool_file_mib": max(r["spool_file"] for r in runs) / MIB,
@@ -148,8 +179,8 @@ def run(mib: int, reps: int) -> dict:
         }
         for mode, runs in rows.items()
     }
-    overhead = summary["staged"]["seconds"] / summary["streamed"]["seconds"] - 1
-    return dict(mib=mib, reps=reps, modes=summary, staged_overhead=overhead)
+    overhead = summary["spooled"]["seconds"] / summary["streamed"]["seconds"] - 1
+    return dict(mib=mib, reps=reps, modes=summary, spooled_overhead=overhead)
 
 
 def _in_child(mode: str, port: int, mib: int) -> dict:
@@ -172,11 +203,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     result = run(args.mib, args.reps)
     for mode, row in result["modes"].items():
-        print(f"{mode:9s} {row['seconds']:7.2f} s (writes done at {row['write_s']:.2f} s)  "
+        runs = ", ".join(f"{t:.1f}" for t in row["runs_s"])
+        print(f"{mode:9s} {row['seconds']:7.2f} s ({runs}; writes done at {row['write_s']:.2f} s)  "
               f"peak RSS {row['peak_rss_mib']:7.1f} MiB  "
               f"spool file {row['spool_file_mib']:7.1f} MiB  "
               f"free disk drop {row['disk_drop_mib']:7.1f} MiB")  # fmt: skip
-    print(f"staging overhead: {100 * result['staged_overhead']:+.1f}% of the streamed upload")
+    print(f"spooling overhead: {100 * result['spooled_overhead']:+.1f}% of the streamed upload")
     print(json.dumps(result))
     return result
 

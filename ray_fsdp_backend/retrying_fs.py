@@ -17,25 +17,51 @@ our own layer and not the S3 client's retry strategy.
 - Reads: opening is retried; a failed read closes the underlying file and
   the retry reopens it and reads the same range (``read_at``), so a dropped
   connection in the middle of a ranged read costs that range only.
-- Writes are staged: the bytes go to a spool (memory up to
-  :data:`SPOOL_MEMORY_BYTES`, then an anonymous temporary file, which leaves
-  nothing behind even if the process dies) and are uploaded whole when the
-  write is committed; a retry uploads the whole object again. An object
-  store makes an object visible only when its upload completes (a single
-  put, or the final ``CompleteMultipartUpload``, which ``pyarrow`` does not
-  send after a failed part), so an object is whole or absent, never a torn
-  prefix. A write whose block raised uploads nothing: :func:`open_whole`
-  commits on success and aborts on an exception; a plain
+- Writes are whole or absent, in one of two ways by size. Up to
+  :data:`STREAM_ABOVE_BYTES` the bytes stay in memory and are put whole
+  when the write is committed, retried whole by our layer: an object store
+  makes an object visible only when its upload completes, so it is whole
+  or absent. A file that grows past that size is streamed: the bytes
+  already written and every later write go straight into the client's own
+  multipart upload at the final key, part by part (``pyarrow`` uploads a
+  part in the background as it fills), with at most
+  :data:`UPLOAD_WINDOW_BYTES` queued (a flush every window). Each part is
+  retried on its own by the S3 client: we open the stream on a copy of the
+  filesystem whose AWS SDK retry strategy spans about this layer's budget
+  (:func:`sdk_retries`; pickling drops a filesystem's ``retry_strategy``,
+  apache/arrow#47348, so the one a user set does not reach the workers). A
+  part that fails past those retries makes the close fail before
+  ``CompleteMultipartUpload``: the object stays absent (the write fails; a
+  streamed file cannot be retried whole, its bytes are gone).
+- A write whose block raised publishes nothing that stays:
+  :func:`open_whole` commits on success and aborts on an exception; a plain
   ``with fs.open_output_stream(...)`` block does the same (its close sees
-  the exception raised since the file was opened). The upload happens in
-  the thread that writes: DCP's background thread for asynchronous saves.
-  Local disk per open file: the file's size above the spool's memory part;
-  one file is open per writer at a time (the Hugging Face exporter writes
-  its files one after another, DCP one file per rank per save), so a rank
-  needs at most its largest file. ``pyarrow`` 26 cannot abort a streamed
-  multipart upload from Python (its stream completes the upload when
-  closed or collected), so streaming would publish a torn object when the
-  writer fails: see ``benchmarks/upload_stream.py`` for what staging costs.
+  the exception raised since the file was opened). An aborted small file
+  uploads nothing. An aborted streamed file cannot be cancelled: ``pyarrow``
+  26's stream has no ``abort()`` and completes the multipart upload when
+  closed or collected, so the abort closes it and deletes the object
+  (retried, within the budget). Between that close and that delete (one
+  request, milliseconds) the torn object is visible at its key, and it stays
+  if the process dies in between or the store refuses the delete for the
+  whole budget. Nothing reads it there: a DCP checkpoint directory counts
+  only once its marker is written after every file, a Hugging Face export
+  only once its index is. Why not a temporary key moved into place:
+  ``pyarrow``'s move on S3 is ``CopyObject`` then ``DeleteObject``, and S3
+  refuses ``CopyObject`` above 5 GB (a 70B model's rank shard is 10+ GB);
+  the copy would also cost a second pass over every byte server-side.
+- Memory and local disk per open file: a small file's bytes (at most
+  :data:`STREAM_ABOVE_BYTES`); a streamed file at most the window of queued
+  parts (:data:`UPLOAD_WINDOW_BYTES`) plus the part being filled, and no
+  local disk at all. One file is open per writer at a time (the Hugging
+  Face exporter writes its files one after another, DCP one file per rank
+  per save). The upload happens in the thread that writes: DCP's
+  background thread for asynchronous saves. Why streaming and not the
+  whole-file spool this replaced (memory up to 16 MiB, then a local
+  temporary file, uploaded whole): the spool needed as much local disk as
+  the rank's largest file and wrote every byte twice, and was not faster:
+  ``benchmarks/upload_stream.py``, a 1 GiB shard to the moto server, took
+  36 s spooled and 38 s streamed (medians of 3), 210 vs 187 MiB peak RSS,
+  1 GiB of local disk vs none.
 
 Local filesystems are returned unwrapped: their errors (a full disk, a
 missing directory) are not transient. :func:`open_whole` writes a local file
@@ -48,18 +74,21 @@ import contextlib
 import io
 import os
 import sys
-import tempfile
+import threading
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ray_fsdp_backend.retry import RetryPolicy, call_with_retries, default_policy
 
-SPOOL_MEMORY_BYTES = 16 * 1024 * 1024
-"""A staged write moves from memory to a temporary file above this size."""
+STREAM_ABOVE_BYTES = 8 * 1024 * 1024
+"""A write to an object store is held in memory and put whole up to this
+size, and streamed as a multipart upload once it grows past it."""
 UPLOAD_WINDOW_BYTES = 64 * 1024 * 1024
-"""At most this many bytes of a staged upload are in flight (queued parts)."""
-_COPY_CHUNK = 8 * 1024 * 1024
+"""At most this many bytes of a streamed upload are queued (parts in flight)."""
+_SDK_BASE_DELAY_S = 0.025  # the AWS SDK's DefaultRetryStrategy: 25 ms * 2**retry
+_STREAMING: dict[tuple, pafs.FileSystem] = {}
+_STREAMING_LOCK = threading.Lock()
 
 
 def with_retries(fs: pafs.FileSystem, policy: RetryPolicy | None = None) -> pafs.FileSystem:
@@ -77,12 +106,23 @@ def open_whole(fs: pafs.FileSystem, path: str) -> WholeFile:
     Use it as a context manager (the file is committed when the block
     completes and aborted when it raises) or call ``commit()`` / ``abort()``.
     On a local filesystem the bytes go to ``path.tmp``, fsynced and renamed
-    into place on commit, deleted on abort; elsewhere they are staged and
-    uploaded on commit (retried within the budget of ``fs``'s
-    :func:`with_retries`), and an abort uploads nothing."""
+    into place on commit, deleted on abort; elsewhere a small file is put
+    whole on commit and a large one streamed, deleted on abort (see the
+    module's docstring), retried within the budget of ``fs``'s
+    :func:`with_retries`."""
     if isinstance(fs, pafs.LocalFileSystem):
         return _LocalWhole(path)
-    return _StagedOutput(with_retries(fs).handler, path, None)
+    return _ObjectOutput(with_retries(fs).handler, path, None)
+
+
+def sdk_retries(budget_s: float) -> int:
+    """How many times the AWS SDK's default strategy may retry one request
+    (one part) so that its waits, 25 ms * 2**k before retry k, add up to at
+    most ``budget_s`` (at least 3, ``pyarrow``'s default)."""
+    retries = 3
+    while _SDK_BASE_DELAY_S * (2 ** (retries + 2) - 2) <= budget_s:
+        retries += 1
+    return retries
 
 
 def unwrap(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -184,7 +224,24 @@ class RetryingHandler(pafs.FileSystemHandler):
         return pa.PythonFile(_RetryingInput(self, path, file), mode="r")
 
     def open_output_stream(self, path, metadata):
-        return pa.PythonFile(_StagedOutput(self, path, metadata), mode="w")
+        return pa.PythonFile(_ObjectOutput(self, path, metadata), mode="w")
+
+    @property
+    def streaming_fs(self) -> pafs.FileSystem:
+        """``fs`` for streamed uploads: on S3 the same settings, rebuilt as
+        ``pyarrow``'s pickling does, with the SDK retrying each request for
+        about this layer's budget (:func:`sdk_retries`); one per store and
+        budget in a process (a run builds a handler per save). Other stores'
+        clients retry each request by their own settings."""
+        if not isinstance(self.fs, pafs.S3FileSystem):
+            return self.fs
+        settings = self.fs.__reduce__()[1][0]
+        key = (repr(sorted(settings.items())), sdk_retries(self.policy.budget_s))
+        with _STREAMING_LOCK:
+            if key not in _STREAMING:
+                strategy = pafs.AwsDefaultS3RetryStrategy(key[1])
+                _STREAMING[key] = pafs.S3FileSystem(**settings, retry_strategy=strategy)
+            return _STREAMING[key]
 
     def open_append_stream(self, path, metadata):
         raise NotImplementedError("appending is not supported on object storage")
@@ -325,44 +382,75 @@ class _LocalWhole(WholeFile):
         io.RawIOBase.close(self)
 
 
-class _StagedOutput(WholeFile):
-    """Bytes spooled locally, uploaded whole (and retried whole) on commit."""
+class _ObjectOutput(WholeFile):
+    """Bytes held in memory and put whole on commit, or, past
+    :data:`STREAM_ABOVE_BYTES`, streamed as a multipart upload."""
 
     def __init__(self, handler: RetryingHandler, path: str, metadata):
         super().__init__()
         self._handler, self._path, self._metadata = handler, path, metadata
-        self._spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)
+        self._buffer: io.BytesIO | None = io.BytesIO()
+        self._stream = None
+        self._written = self._pending = 0
 
     def write(self, data):
-        return self._spool.write(data)
+        n = memoryview(data).nbytes
+        if self._stream is None:
+            self._buffer.write(data)
+            if self._buffer.tell() > STREAM_ABOVE_BYTES:
+                self._start_stream()
+        else:
+            self._send(data, n)
+        self._written += n
+        return n
 
     def tell(self):
-        return self._spool.tell()
+        return self._written
+
+    def _start_stream(self) -> None:
+        fs = self._handler.streaming_fs
+        self._stream = self._handler.retry(
+            lambda: fs.open_output_stream(self._path, metadata=self._metadata),
+            f"opening {self._path}",
+        )
+        held, self._buffer = self._buffer, None
+        self._send(held.getbuffer(), held.tell())
+
+    def _send(self, data, n: int) -> None:
+        self._stream.write(data)
+        self._pending += n
+        if self._pending >= UPLOAD_WINDOW_BYTES:
+            # pyarrow's S3 stream uploads parts in the background and queues
+            # them without bound when the store is slower than the writer;
+            # flush waits for them (and raises a part's failure).
+            self._stream.flush()
+            self._pending = 0
 
     def commit(self) -> None:
         if self.closed:
             return
         try:
-            self._handler.retry(self._upload, f"writing {self._path}")
+            if self._stream is None:
+                self._handler.retry(self._put, f"writing {self._path}")
+            else:  # completes the upload, or fails before it when a part failed
+                self._stream.close()
         finally:
             self.abort()
 
     def abort(self) -> None:
         if self.closed:
             return
-        self._spool.close()
+        self._buffer = None
+        stream, self._stream = self._stream, None
         io.RawIOBase.close(self)
+        if stream is not None and not stream.closed:
+            # No abort in pyarrow 26: closing publishes what was written
+            # (unless a part failed), and the delete takes it away.
+            with contextlib.suppress(OSError):
+                stream.close()
+            with contextlib.suppress(FileNotFoundError):
+                self._handler.delete_file(self._path)
 
-    def _upload(self) -> None:
-        self._spool.seek(0)
+    def _put(self) -> None:
         with self._handler.fs.open_output_stream(self._path, metadata=self._metadata) as out:
-            pending = 0
-            while chunk := self._spool.read(_COPY_CHUNK):
-                out.write(chunk)
-                pending += len(chunk)
-                if pending >= UPLOAD_WINDOW_BYTES:
-                    # pyarrow's S3 stream uploads parts in the background and
-                    # queues them without bound when the store is slower than
-                    # the spool; flush waits for them.
-                    out.flush()
-                    pending = 0
+            out.write(self._buffer.getbuffer())

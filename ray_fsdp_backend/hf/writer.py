@@ -8,13 +8,13 @@ tensors in that order: a sharded tensor (``DTensor``) is gathered by
 ``collectives.full_tensor`` (a collective: every rank takes part, one tensor at a
 time), and the rank that owns the tensor's file streams its bytes straight
 into that file, its header first (known from the plan). Each file is
-whole or absent: on object storage each rank stages its own files and
-uploads each whole (a multipart upload per large file) with the credentials
-the filesystem already has; on a local disk a file is written as
-``NAME.tmp``, fsynced and renamed. After each file the ranks agree (one
-all-reduce) that it was written, so a failure on one rank fails every rank
-at once. Peak host memory: one full tensor (plus the staging spool's
-in-memory part on object storage).
+whole or absent: on object storage each rank streams its own files (a
+multipart upload per large file, see :mod:`ray_fsdp_backend.retrying_fs`)
+with the credentials the filesystem already has; on a local disk a file is
+written as ``NAME.tmp``, fsynced and renamed. After each file the ranks
+agree (one all-reduce) that it was written, so a failure on one rank fails
+every rank at once. Peak host memory: one full tensor (plus, on object
+storage, the upload's window of queued parts).
 
 ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` and its
 consolidation (torch 2.13) work on local paths only, hence this writer.

@@ -42,6 +42,9 @@ class _Phases:
         self.log: dict[str, dict] = {}
 
     def run(self, name: str, rules, fn):
+        # Every rank is done with what came before (a listing between two
+        # phases) before rank 0 changes the rules.
+        dist.barrier()
         if dist.get_rank() == 0:
             self.faults.clear()
             rules(self.faults)
