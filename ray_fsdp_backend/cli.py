@@ -468,7 +468,8 @@ def format_tp_traffic(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list
     kinds = " + ".join(f"{n} {kind.replace('_', '-')}s" for kind, n in traffic.collectives.items())
     recompute = "recompute, " if cfg.use_gradient_checkpointing else ""
     return [
-        f"tensor-parallel traffic per rank, one micro-batch of {micro_batch} rows (estimate):",
+        f"tensor-parallel traffic per rank, one micro-batch of {micro_batch} x "
+        f"{model.seq_len} tokens (estimate):",
         f"  {format_bytes(traffic.sent):>10}  per block ({kinds}: forward, {recompute}backward)",
         f"  {format_bytes(traffic.sent * model.n_layers):>10}  all {model.n_layers} blocks",
     ]

@@ -86,8 +86,8 @@ def test_plan_states_tp_bytes_per_block(capsys, tmp_path):
     }
     for sets, units, kinds in runs.values():
         out = _plan(capsys, tmp_path, "8b", 1, *sets)
-        rows = int(re.search(r"traffic per rank, one micro-batch of (\d+) rows", out).group(1))
-        seq = int(re.search(r"one micro-batch of \d+ x (\d+) tokens", out).group(1))
+        batch = re.search(r"traffic per rank, one micro-batch of (\d+) x (\d+) tokens", out)
+        rows, seq = int(batch.group(1)), int(batch.group(2))
         activation = rows * seq * hf["hidden_size"] * 2  # bf16 activations
         sent = units * activation * 7 // 8  # tp 8: a ring sends 7 / 8 per unit
         per_block = re.search(r"\n\s+(\S+ \S+)  per block \((.*)\)", out)
