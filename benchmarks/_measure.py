@@ -19,6 +19,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def barrier() -> None:
@@ -122,6 +123,49 @@ class CollectiveCounter:
         for module, name, fn in reversed(self._saved):
             setattr(module, name, fn)
         self._saved.clear()
+
+
+class FunctionalCollectiveLog(TorchDispatchMode):
+    """Records the functional collectives issued while active (DTensor's,
+    i.e. tensor parallelism's; FSDP2's own c10d calls are not seen): each as
+    ``(phase, kind, group ranks, input bytes)``, ``phase`` being whatever
+    :attr:`phase` was set to when it was issued. A group is known by its
+    ranks: two meshes over the same ranks may name their groups apart."""
+
+    KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.seen: list[tuple[str, str, tuple[int, ...], int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = self.KINDS.get(func._overloadpacket.__name__)
+        if func.namespace == "_c10d_functional" and kind is not None:
+            group = args[-1]  # each takes its group (a name, torch 2.13) last
+            if isinstance(group, str):
+                group = c10d._resolve_process_group(group)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            self.seen.append((self.phase, kind, ranks, args[0].nbytes))
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def ring_bytes(kind: str, group_size: int, input_bytes: int) -> float:
+        """Bytes one rank sends for one collective in a ring: ``(T - 1) / T``
+        of the whole tensor per all-gather (whose input is one rank's shard)
+        or reduce-scatter, twice that per all-reduce."""
+        share = (group_size - 1) / group_size
+        whole = input_bytes * group_size if kind == "all_gather" else input_bytes
+        return whole * share * (2 if kind == "all_reduce" else 1)
+
+    def sent(self, ranks: tuple[int, ...] | None = None) -> float:
+        """Bytes this rank sent (ring), over the group of ``ranks`` only if given."""
+        return sum(
+            self.ring_bytes(kind, len(group), nbytes)
+            for _, kind, group, nbytes in self.seen
+            if ranks is None or group == ranks
+        )
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -332,6 +332,28 @@ def _tensor_parallel(r: dict) -> list[str]:
         f"tp 2 x dp 2 / dp 4 step time: {_ratio(t)}; same first loss: "
         + ("yes" if r["same_loss"] else "NO"),
         "",
+        *_tp_traffic(r),
+    ]
+
+
+def _tp_traffic(r: dict) -> list[str]:
+    """Issue 37: tp 2 x dp 2 before / after torchtitan's TP layout."""
+    if "traffic" not in r:
+        return []
+    rows = []
+    for key, label in (("sp", "sequence parallel"), ("no_sp", "no sequence parallel")):
+        x = r["traffic"][key]
+        sent, t = x["bytes_per_step"], x["time"]
+        rows.append([label, f"{t['b_ms']:.1f}", f"{t['a_ms']:.1f}", _ratio(t),
+                     _mib(sent["before"]), _mib(sent["after"]), _mib(x["block_estimate"]),
+                     "yes" if x["same_loss"] else "NO"])  # fmt: skip
+    header = ["tp 2 x dp 2", "before ms", "after ms", "after / before", "TP MiB / step before",
+              "TP MiB / step after", "plan MiB / block", "same loss"]  # fmt: skip
+    return [
+        "TP traffic before / after one reduction per attention and per MLP (issue 37; "
+        "MiB one rank sends over its tp group per step, ring):",
+        "",
+        *_table(header, rows),
     ]
 
 

@@ -17,7 +17,8 @@ medians and the median ratio):
 10. LoRA r 8 and r 64 vs full fine-tuning: memory, step time and checkpoint
     bytes per rank (``lora``);
 11. tensor parallel tp 2 x dp 2 vs FSDP2 dp 4 on the same global batch:
-    step time and memory per rank (``tensor_parallel``);
+    step time and memory per rank; TP step time and bytes per step before /
+    after one reduction per attention and MLP (``tensor_parallel``);
 12. a Hugging Face checkpoint on S3 with 30 ms per request: load time and
     bytes before and after concurrent ranged reads, export time and bytes
     per rank (``hf_s3``);

@@ -28,6 +28,7 @@ from ray_fsdp_backend.memory import (
     ModelSize,
     estimate_activations,
     estimate_memory,
+    estimate_tp_block_traffic,
     format_bytes,
 )
 from ray_fsdp_backend.mesh import resolve_layout
@@ -254,6 +255,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
     else:
         lines += format_moe_memory(spec, moe, strategy, layout, micro)
     lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
+    lines += format_tp_traffic(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
     lines += format_expert_groups(layout)
     if cfg.use_dmuon:  # owners span FSDP's dp_shard x cp; TP blocks are gathered over tp
         shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
@@ -445,6 +447,31 @@ def format_activations(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
         f"{model.seq_len} tokens{split} (estimate):",
         f"  {format_bytes(with_scores):>10}  kernels that keep attention scores (CPU)",
         f"  {format_bytes(flash):>10}  flash / memory-efficient attention (GPU)",
+    ]
+
+
+def format_tp_traffic(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list[str]:
+    """What each block sends over its tp group for one micro-batch (forward
+    and backward, as ``estimate_tp_block_traffic`` counts it) for the
+    byte-level decoder; nothing without tensor parallelism."""
+    model, cfg = spec.model, spec.distributed
+    if tp == 1 or not isinstance(model, ModelConfig):
+        return []
+    traffic = estimate_tp_block_traffic(
+        model.activation_shape(micro_batch),
+        tp=tp,
+        cp=cp,
+        value_bytes=2 if cfg.use_mixed_precision else 4,
+        sequence_parallel=cfg.sequence_parallel_enabled,
+        checkpointing=cfg.use_gradient_checkpointing,
+    )
+    kinds = " + ".join(f"{n} {kind.replace('_', '-')}s" for kind, n in traffic.collectives.items())
+    recompute = "recompute, " if cfg.use_gradient_checkpointing else ""
+    return [
+        f"tensor-parallel traffic per rank, one micro-batch of {micro_batch} x "
+        f"{model.seq_len} tokens (estimate):",
+        f"  {format_bytes(traffic.sent):>10}  per block ({kinds}: forward, {recompute}backward)",
+        f"  {format_bytes(traffic.sent * model.n_layers):>10}  all {model.n_layers} blocks",
     ]
 
 

@@ -323,3 +323,52 @@ def estimate_activations(
         per_layer = s * b * h * ((34 + scores) / tp if sp else 10 + (24 + scores) / tp)
     logits = s * b * shape.vocab_size * (value_bytes + FP32_BYTES) / (tp if loss_parallel else 1)
     return int(shape.n_layers * per_layer * scale + logits)
+
+
+@dataclass(frozen=True)
+class TensorParallelTraffic:
+    """What one decoder block moves over its tp group for one micro-batch
+    (forward and backward): collectives by kind, and the bytes one rank
+    sends for them (ring algorithms)."""
+
+    collectives: dict[str, int]
+    """``{"all_gather": n, ...}`` over forward, recompute and backward."""
+
+    sent: int
+    """Bytes one rank sends for them."""
+
+
+def estimate_tp_block_traffic(
+    shape: ActivationShape,
+    *,
+    tp: int,
+    cp: int = 1,
+    value_bytes: int = 4,
+    sequence_parallel: bool = True,
+    checkpointing: bool = False,
+) -> TensorParallelTraffic:
+    """Tensor-parallel traffic of one block per micro-batch, as torchtitan's.
+
+    The attention and the MLP each take their input once for all their
+    column-wise layers and reduce their row-wise output once. With sequence
+    parallelism that is one all-gather and one reduce-scatter each in
+    forward, and again in backward (the gradients: a reduce-scatter of the
+    input's, an all-gather of the output's); without, one all-reduce each in
+    forward and one in backward. Activation checkpointing runs the forward's
+    again in backward, less the MLP's output reduction (torch's checkpoint
+    stops recomputing once backward's saved tensors are back). Each
+    collective carries the block's whole activation, ``A = (s / cp) b h``
+    values: a ring sends ``(T - 1) / T A`` per all-gather or reduce-scatter
+    and twice that per all-reduce, ``8 (T - 1) / T A`` per block either way
+    without checkpointing.
+    """
+    if tp == 1:
+        return TensorParallelTraffic(collectives={}, sent=0)
+    gathers = 4 + (2 if checkpointing else 0)
+    reductions = 4 + (1 if checkpointing else 0)
+    if sequence_parallel:
+        counts, units = {"all_gather": gathers, "reduce_scatter": reductions}, gathers + reductions
+    else:  # the replicated input needs no gather; an all-reduce sends twice
+        counts, units = {"all_reduce": reductions}, 2 * reductions
+    activation = shape.seq_len // cp * shape.micro_batch_size * shape.dim * value_bytes
+    return TensorParallelTraffic(collectives=counts, sent=units * activation * (tp - 1) // tp)

@@ -14,11 +14,16 @@ become ``Replicate`` DTensors on the tp mesh, so every parameter lives on the
 same root mesh and ``foreach`` optimizers and the global clip see no mixed
 meshes (pytorch#134212).
 
+The module that holds column-wise layers (attention, MLP) turns its input
+into one ``Replicate`` DTensor that they all take (torchtitan's
+``PrepareModuleInput`` with ``use_local_output=False``): their input
+gradients are reduced once per module, not once per layer.
+
 Sequence parallel (``sequence_parallel``) keeps the residual stream split
 along the sequence between the planned layers: the embedding reduce-scatters
 its output, norms run on their sequence shard (``SequenceParallel``), the
-module that holds column-wise layers (attention, MLP) all-gathers its input
-once, and row-wise outputs are reduce-scattered. It needs a model that does
+module that holds column-wise layers all-gathers its input once (and
+reduce-scatters its gradient), and row-wise outputs are reduce-scattered. It needs a model that does
 not read the sequence length off its hidden states: the example decoder
 declares ``supports_sequence_parallel``; transformers models derive position
 ids from the embedding output's length, so they run without it.
@@ -316,12 +321,11 @@ def apply_tensor_parallel(
         sp_norm = options.sequence_parallel and not inside
         styles[name] = SequenceParallel(use_local_output=True) if sp_norm else _ReplicateStyle()
     parallelize_module(model, tp_mesh, styles)
-    if options.sequence_parallel:
-        modules = dict(model.named_modules())
-        for name in parents:
-            modules[name].register_forward_pre_hook(
-                _gather_sequence_hook(tp_mesh), with_kwargs=True
-            )
+    modules = dict(model.named_modules())
+    for name in parents:
+        modules[name].register_forward_pre_hook(
+            _block_input_hook(tp_mesh, options.sequence_parallel), with_kwargs=True
+        )
     _retie(model, ties)
     return model
 
@@ -337,22 +341,31 @@ def _unplanned_parameter_modules(model: nn.Module, matched) -> list[str]:
     return out
 
 
-def _gather_sequence_hook(tp_mesh: DeviceMesh):
-    """Forward pre-hook: all-gather the sequence-sharded hidden states (the
-    first positional tensor, or ``hidden_states=``) so the column-wise layers
-    inside see the whole sequence; backward reduce-scatters."""
+def _block_input_hook(tp_mesh: DeviceMesh, sequence_parallel: bool):
+    """Forward pre-hook of a module holding column-wise layers (attention,
+    MLP): its hidden states (the first positional tensor, or
+    ``hidden_states=``) become one ``Replicate`` DTensor that every
+    column-wise layer inside takes as is (torchtitan's ``PrepareModuleInput``
+    with ``use_local_output=False``).
 
-    def gather(x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, DTensor):
-            x = x.to_local()
-        dt = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
-        return dt.redistribute(tp_mesh, [Replicate()]).to_local()
+    Their input gradients (``Partial`` over tp) then add up as DTensors and
+    are reduced once for the whole module, where the DTensor was made:
+    reduce-scattered back to the sequence shards with sequence parallelism
+    (whose forward all-gathers them here), all-reduced without. Plain inputs
+    would make each column-wise layer all-reduce its own (q, k, v, gate, up:
+    five per block instead of two)."""
+    layout = Shard(1) if sequence_parallel else Replicate()
+
+    def prepare(x: torch.Tensor) -> DTensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, [layout], run_check=False)
+        return x.redistribute(tp_mesh, [Replicate()])
 
     def hook(_module, args, kwargs):
         if args and isinstance(args[0], torch.Tensor):
-            return (gather(args[0]), *args[1:]), kwargs
+            return (prepare(args[0]), *args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            return args, {**kwargs, "hidden_states": prepare(kwargs["hidden_states"])}
         return None
 
     return hook

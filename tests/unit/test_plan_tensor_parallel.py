@@ -71,6 +71,32 @@ def test_sequence_parallel_divides_activations_by_tp(capsys, tmp_path):
     assert flash[0] != flash[1]
 
 
+def test_plan_states_tp_bytes_per_block(capsys, tmp_path):
+    """The bytes tests/dist/test_tp_traffic.py counts: per block and micro-batch
+    ``8 (T - 1) / T`` activations of ``rows x seq x dim`` values with or without
+    sequence parallelism, ``11`` and ``10`` with checkpointing (recompute)."""
+    hf = json.loads(open(LLAMA3["8b"]).read())
+    plain = "distributed.use_gradient_checkpointing=false"
+    sp_off = "distributed.sequence_parallel=false"
+    runs = {
+        "sp": ([plain], 8, "4 all-gathers + 4 reduce-scatters: forward, backward"),
+        "no_sp": ([plain, sp_off], 8, "4 all-reduces: forward, backward"),
+        "sp_checkpointed": ([], 11, "6 all-gathers + 5 reduce-scatters: forward, recompute"),
+        "checkpointed": ([sp_off], 10, "5 all-reduces: forward, recompute, backward"),
+    }
+    for sets, units, kinds in runs.values():
+        out = _plan(capsys, tmp_path, "8b", 1, *sets)
+        batch = re.search(r"traffic per rank, one micro-batch of (\d+) x (\d+) tokens", out)
+        rows, seq = int(batch.group(1)), int(batch.group(2))
+        activation = rows * seq * hf["hidden_size"] * 2  # bf16 activations
+        sent = units * activation * 7 // 8  # tp 8: a ring sends 7 / 8 per unit
+        per_block = re.search(r"\n\s+(\S+ \S+)  per block \((.*)\)", out)
+        assert per_block.group(1) == format_bytes(sent), out
+        assert per_block.group(2).startswith(kinds)
+        blocks = re.search(r"\n\s+(\S+ \S+)  all (\d+) blocks", out)
+        assert blocks.group(1) == format_bytes(sent * hf["num_hidden_layers"])
+
+
 def test_tp_that_does_not_divide_the_heads_is_refused(capsys, tmp_path):
     path = tmp_path / "odd.json"
     path.write_text(
