@@ -72,10 +72,12 @@ class Case(NamedTuple):
     """FSDP2 mixed precision: bf16 parameters and compute, fp32 reduce."""
     s3: bool = False
     """Load the checkpoint from ``s3://`` (the moto server)."""
+    count: bool = False
+    """Count the bytes one more forward and backward send, by collective."""
 
 
 CASES = {
-    "qwen3_ep2": Case("qwen3_moe", 2),
+    "qwen3_ep2": Case("qwen3_moe", 2, count=True),
     "qwen3_ep4_s3": Case("qwen3_moe", 4, s3=True),
     "qwen3_hsdp_ep2": Case("qwen3_moe", 2, replicate=2),
     "qwen3_ep2_all_to_rank0": Case("qwen3_moe", 2, forced=True),
@@ -354,7 +356,22 @@ def _run_case(rank, case: Case, path, s3):
     )
     ranks = [None] * WORLD
     dist.all_gather_object(ranks, mine)
-    return (logits, *result, seen, ranks)
+    traffic = [None] * WORLD
+    dist.all_gather_object(traffic, _expert_traffic(model, part, mesh) if case.count else None)
+    return (logits, *result, seen, ranks, traffic)
+
+
+def _expert_traffic(model, part, mesh) -> dict[tuple[str, str], int]:
+    """Bytes this rank sends in one forward and backward, by (collective,
+    group), counted from the collectives issued (benchmarks/_traffic.py)."""
+    from benchmarks._traffic import TrafficCounter
+
+    counter = TrafficCounter({mesh[a].get_group().group_name: a for a in ("ep", "efsdp")})
+    xs, ys = _batches()
+    model.zero_grad(set_to_none=True)
+    with counter:
+        _loss(model, xs[0], ys[0], part, contextlib.nullcontext).backward()
+    return dict(counter.sent)
 
 
 def _weight_bytes(path: str) -> tuple[int, int]:
@@ -410,7 +427,7 @@ def _tolerance(case: Case) -> dict:
 def test_matches_one_process(results, name):
     dist_results, refs, _ = results
     case, tol = CASES[name], _tolerance(CASES[name])
-    logits, losses, norms, expert_norms, clip_norms, router, seen, ranks = dist_results[name]
+    logits, losses, norms, expert_norms, clip_norms, router, seen, ranks, _ = dist_results[name]
     ref_logits, ref_losses, ref_norms, ref_expert_norms, ref_clip, ref_router = refs[name]
     print(f"{name}: losses {losses} vs {ref_losses}, norms {norms} vs {ref_norms}")
     torch.testing.assert_close(logits, ref_logits, atol=tol["logits"], rtol=tol["logits"])
@@ -445,3 +462,30 @@ def test_bf16_tolerance_catches_a_wrong_expert_gradient(results):
     (name,) = wrong
     expert_norms, wrong_norms = dist_results[name][3], wrong[name][3]
     assert expert_norms[0] != pytest.approx(wrong_norms[0], rel=BF16_NORM)
+
+
+def test_plan_estimates_the_counted_expert_traffic(results):
+    """``ray-fsdp plan``'s expert bytes (``estimate_expert_traffic`` on the
+    shape ``--hf-config`` reads) against the bytes each rank sent in one
+    forward and backward at ep 2, counted from the collectives issued: the
+    experts' all-gathers (forward, and again in backward) and reduce-scatter
+    over efsdp exactly; the all-to-alls at most every (token, expert) pair
+    four times per layer (plus the split sizes), and on average the plan's
+    (ep - 1) / ep of them within the unevenness of the routing."""
+    from ray_fsdp_backend.expert_plan import moe_model_from_hf
+    from ray_fsdp_backend.memory import estimate_expert_traffic
+
+    traffic = results[0]["qwen3_ep2"][-1]
+    experts = moe_model_from_hf(tiny_moe_config("qwen3_moe").to_dict()).experts
+    tokens = BATCH // WORLD * SEQ
+    plan = estimate_expert_traffic(
+        experts, tokens, ep=2, shard_size=WORLD, value_bytes=4, reduce_bytes=4
+    )
+    assert plan.all_gather > 0 and plan.reduce_scatter > 0
+    for sent in traffic:
+        assert sent[("all_gather", "efsdp")] == plan.all_gather
+        assert sent[("reduce_scatter", "efsdp")] == plan.reduce_scatter
+    every_pair = 4 * experts.moe_layers * tokens * experts.top_k * experts.dim * 4
+    exchanged = [sent[("all_to_all", "ep")] for sent in traffic]
+    assert all(0 < n <= every_pair + 1024 for n in exchanged), (exchanged, every_pair)
+    assert sum(exchanged) / WORLD == pytest.approx(plan.all_to_all, rel=0.25)
