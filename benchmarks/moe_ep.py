@@ -108,7 +108,7 @@ def _setup(rank: int, ep: int, model: dict, seq: int) -> Run:
     labels: dict[str, list[str]] = {}
     for axis in axes:
         labels.setdefault(mesh[axis].get_group().group_name, []).append(axis)
-    groups = {name: "+".join(axes) for name, axes in labels.items()}
+    groups = {name: "+".join(shared) for name, shared in labels.items()}
     opt = torch.optim.AdamW(wrapped.parameters(), lr=LR, foreach=False)
     return Run(strategy, wrapped, opt, x[rows], y[rows], groups)
 
