@@ -7,12 +7,12 @@ nodes (a custom resource names them): a node is removed mid-run (the run
 continues at 2 workers from the newest checkpoint: one node, one tp group),
 a node is added (it grows back to 4), and it finishes all steps. Most of a
 run's time is Ray noticing the lost node and restarting the group, so the
-second run costs little beside the first. Then one fixed-size run at 4 workers and tp 1 with the same global batch and
-data order is the reference of both: final parameters agree to fp32
-tolerance, and the window starts read over each elastic run's surviving
-trajectory are exactly the first ``steps * global`` windows of the epoch,
-each once (at tp 2 read identically by the two ranks of a tp group). A few
-minutes.
+second run costs little beside the first. Then one fixed-size run at 4
+workers and tp 1 with the same global batch and data order is the reference
+of both: final parameters agree to fp32 tolerance, and the window starts
+read over each elastic run's surviving trajectory are exactly the first
+``steps * global`` windows of the epoch, each once (at tp 2 read identically
+by the two ranks of a tp group). A few minutes.
 """
 
 from __future__ import annotations
