@@ -259,7 +259,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
     lines += format_expert_groups(layout)
     if cfg.use_dmuon:  # owners span FSDP's dp_shard x cp; TP blocks are gathered over tp
         shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
-        lines += format_dmuon(spec, shard, tp)
+        lines += format_dmuon(spec, shard, tp, moe, layout.expert_parallel_size)
     return "\n".join(lines)
 
 
@@ -322,14 +322,20 @@ def format_groups(layout) -> list[str]:
     return lines
 
 
-def format_dmuon(spec: RunSpec, shard_size: int, tp: int = 1) -> list[str]:
+def format_dmuon(
+    spec: RunSpec, shard_size: int, tp: int = 1, moe: MoEModel | None = None, ep: int = 1
+) -> list[str]:
     """DMuon's owners and Newton–Schulz critical path for the trainer's model
     (built on meta; a pretrained one from its ``config.json`` alone), as the
-    trainer plans them."""
+    trainer plans them, and its expert matrices (orthogonalised where they
+    live). With ``moe`` (``--hf-config``) the routers replace the dense
+    MLPs of its MoE layers and its experts are the stacks (shared experts
+    are not counted)."""
     import torch
 
     from ray_fsdp_backend.dmuon.plan import format_ns_schedule
-    from ray_fsdp_backend.dmuon.selection import dedicated_specs
+    from ray_fsdp_backend.dmuon.selection import dedicated_specs, dedicated_stacks
+    from ray_fsdp_backend.dmuon.stacks import format_stack_lines
     from ray_fsdp_backend.dmuon.tensor_parallel import format_tp_traffic
 
     if isinstance(spec.model, ModelConfig):
@@ -341,10 +347,30 @@ def format_dmuon(spec: RunSpec, shard_size: int, tp: int = 1) -> list[str]:
         from ray_fsdp_backend.hf.models import build_causal_lm
 
         model = build_causal_lm(spec.model.pretrained)
-    specs = dedicated_specs(model)
-    return format_ns_schedule(specs, shard_size) + format_tp_traffic(
-        [m.shape for m in specs], tp, shard_size
+    specs, stacks = dedicated_specs(model), dedicated_stacks(model)
+    if moe is not None:
+        specs, stacks = _moe_matrices(specs, moe)
+    return (
+        format_ns_schedule(specs, shard_size)
+        + format_tp_traffic([m.shape for m in specs], tp, shard_size)
+        + format_stack_lines(stacks, ep, shard_size // ep)
     )
+
+
+def _moe_matrices(specs: list, moe: MoEModel) -> tuple[list, list[tuple[int, int, int]]]:
+    """The dense decoder's matrices with the MLPs of the last ``moe_layers``
+    layers replaced by their routers, and the experts' stacks (the fused
+    ``gate_up_proj`` and ``down_proj`` of each MoE layer)."""
+    from ray_fsdp_backend.dmuon.plan import MatrixSpec
+
+    e = moe.experts
+    n_layers = 1 + max(int(m.name.split(".")[1]) for m in specs)
+    routed = range(n_layers - e.moe_layers, n_layers)
+    dense = [m for m in specs if not any(m.name.startswith(f"layers.{i}.feed_forward.")
+                                         for i in routed)]  # fmt: skip
+    routers = [MatrixSpec(f"layers.{i}.router", (e.num_experts, e.dim)) for i in routed]
+    stacks = [(e.num_experts, 2 * e.expert_hidden, e.dim), (e.num_experts, e.dim, e.expert_hidden)]
+    return dense + routers, stacks * e.moe_layers
 
 
 def _describe_nodes(node_counts: Sequence[int]) -> str:

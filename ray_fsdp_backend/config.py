@@ -194,7 +194,8 @@ class FSDPSettings:
     over the remaining ``dp_shard x cp / E`` ranks (axis ``efsdp``). Dense
     modules, the data each rank reads and the loss rule are unchanged. 1: no
     expert parallelism, every mesh as before. Needs ``use_fsdp``; not with
-    ``tensor_parallel_size > 1`` or ``use_dmuon``. See docs/moe.md."""
+    ``tensor_parallel_size > 1``. With ``use_dmuon`` each rank orthogonalises
+    the whole expert matrices it holds (no exchange). See docs/moe.md."""
 
     loss_parallel: bool = False
     """Under tensor parallelism, keep the output head's logits split over the
@@ -204,7 +205,8 @@ class FSDPSettings:
 
     use_dmuon: bool = False
     """Train with the distributed Muon runtime (:mod:`ray_fsdp_backend.dmuon`).
-    Needs ``use_fsdp``; composes with context parallelism."""
+    Needs ``use_fsdp``; composes with tensor, context and expert parallelism
+    (every expert's matrix orthogonalised on its own)."""
 
     fsdp_block_classes: tuple[str, ...] = ()
     """Class names of the modules sharded as one FSDP unit each (transformer
@@ -525,12 +527,6 @@ def _check_expert_parallel(cfg: FSDPSettings) -> None:
             f"expert_parallel_size={ep} with tensor_parallel_size="
             f"{cfg.tensor_parallel_size} is not supported: the tp ranks share a batch and "
             "would dispatch every token tp times; use one of the two"
-        )
-    if cfg.use_dmuon:
-        raise ValueError(
-            f"expert_parallel_size={ep} with use_dmuon=true is not supported: DMuon's owners "
-            "gather whole matrices over dp_shard, and each expert lives on one ep rank only. "
-            "Use AdamW, or expert_parallel_size=1"
         )
 
 

@@ -20,7 +20,10 @@ One Muon step, per dedicated matrix, following ``torch.optim.Muon``:
 
 Under tensor parallelism the same runs on each rank's TP block, and owners
 assemble whole matrices over the tp group before step 3
-(:mod:`~ray_fsdp_backend.dmuon.tensor_parallel`). Under HSDP the same
+(:mod:`~ray_fsdp_backend.dmuon.tensor_parallel`). Stacked matrices (the
+experts' ``[E, out, in]`` weights, under expert parallelism or not) skip
+steps 2 and 4: FSDP2 shards them by expert, so each rank orthogonalises the
+whole matrices it holds (:mod:`~ray_fsdp_backend.dmuon.stacks`). Under HSDP the same
 happens inside each ``dp_shard`` group, identically in every replica group
 (FSDP2 has already all-reduced the gradients across ``dp_replicate``). Both
 exchanges travel in ``ns_dtype``: Newton–Schulz casts to it first and returns
@@ -48,6 +51,12 @@ from ray_fsdp_backend.dmuon.plan import (
     row_range,
 )
 from ray_fsdp_backend.dmuon.selection import select_parameters
+from ray_fsdp_backend.dmuon.stacks import (
+    STACK_NDIM,
+    local_matrix_names,
+    orthogonalize_stacks,
+    stack_layout_error,
+)
 from ray_fsdp_backend.dmuon.tensor_parallel import (
     TensorSplit,
     orthogonalize_whole,
@@ -64,7 +73,8 @@ class DMuonStepStats:
     """What the last ``step`` did on this rank."""
 
     orthogonalized: tuple[str, ...]
-    """Names of the matrices this rank ran Newton–Schulz on."""
+    """Names of the matrices this rank ran Newton–Schulz on (``name[i]`` for
+    matrix ``i`` of a stack)."""
     ns_calls: int
     """Batched Newton–Schulz calls (one per owned shape in each bucket)."""
     bytes_sent: int
@@ -73,8 +83,8 @@ class DMuonStepStats:
 
 
 class Muon(torch.optim.Optimizer):
-    """Distributed Muon for the dedicated 2-D matrices of an FSDP2 (or HSDP)
-    model, AdamW for its other parameters.
+    """Distributed Muon for the dedicated 2-D matrices (and stacks of them:
+    experts) of an FSDP2 (or HSDP) model, AdamW for its other parameters.
 
     Built on the model the DMuon strategy wrapped (or any model whose
     dedicated parameters are FSDP2 DTensors sharded on dim 0 over one mesh
@@ -129,14 +139,18 @@ class Muon(torch.optim.Optimizer):
     ):
         _check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype)
         dedicated, rest = select_parameters(model, is_dedicated)
+        matrices = [(n, p) for n, p in dedicated if p.ndim == 2]
+        stacks = [(n, p) for n, p in dedicated if p.ndim == STACK_NDIM]
+        dedicated = matrices + stacks  # the "muon" group: planned matrices, then stacks
         self.ns_dtype = ns_dtype
         self.param_names = tuple(name for name, _ in dedicated)
-        self.shard_group: ShardGroup = resolve_shard_group(dedicated)
-        self.tensor_split: TensorSplit = resolve_tensor_split(dedicated)
-        self._shapes = tuple(tuple(p.shape) for _, p in dedicated)  # whole, for the lr
+        self.shard_group: ShardGroup = resolve_shard_group(matrices)
+        self.tensor_split: TensorSplit = resolve_tensor_split(matrices)
+        self._shapes = tuple(tuple(p.shape[-2:]) for _, p in dedicated)  # whole, for the lr
+        self._stack_ids = tuple(range(len(matrices), len(dedicated)))
         # Planned and exchanged over dp_shard on each rank's TP block.
-        blocks = [self.tensor_split.block_shape(s, i) for i, s in enumerate(self._shapes)]
-        specs = [MatrixSpec(name, b) for (name, _), b in zip(dedicated, blocks, strict=True)]
+        blocks = [self.tensor_split.block_shape(self._shapes[i], i) for i in range(len(matrices))]
+        specs = [MatrixSpec(name, b) for (name, _), b in zip(matrices, blocks, strict=True)]
         self.plan: OwnershipPlan = compute_ownership_plan(
             specs, self.shard_group.size, bucket_numel
         )
@@ -144,7 +158,10 @@ class Muon(torch.optim.Optimizer):
         # when CPU offload keeps the shards on the host).
         device = _ns_device(dedicated[0][1]) if dedicated else torch.device("cpu")
         self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
-        self._exchange.verify_consistent(_shard_rows_error(dedicated, self.plan, self.shard_group))
+        self._exchange.verify_consistent(
+            _shard_rows_error(matrices, self.plan, self.shard_group)
+            or next(filter(None, (stack_layout_error(n, p) for n, p in stacks)), None)
+        )
         muon_hyper = dict(
             lr=lr,
             momentum=momentum,
@@ -218,8 +235,11 @@ class Muon(torch.optim.Optimizer):
             else:  # the same factors, or 1 and 0 where the step is skipped
                 local.mul_(keep.pick(1 - lr * group["weight_decay"], 1.0, local.device))
                 local.addcmul_(update, keep.pick(-adjusted_lr, 0.0, local.device))
+        stacked = (local_matrix_names(self.param_names[i], params[i]) for i in self._stack_ids
+                   if params[i].grad is not None)  # fmt: skip
         self.last_step_stats = DMuonStepStats(
-            orthogonalized=tuple(self.plan.matrices[i].name for i in owned),
+            orthogonalized=tuple(self.plan.matrices[i].name for i in owned)
+            + tuple(name for names in stacked for name in names),
             ns_calls=ns_calls,
             bytes_sent=self._exchange.bytes_sent,
             bytes_received=self._exchange.bytes_received,
@@ -232,12 +252,14 @@ class Muon(torch.optim.Optimizer):
         the matrices it owned, and its batched Newton–Schulz calls.
 
         Bucket ``b + 1`` travels to its owners while they orthogonalise bucket
-        ``b``; results go back as soon as a bucket is done.
+        ``b``; results go back as soon as a bucket is done. The stacks, which
+        need no exchange, are orthogonalised while the first bucket travels.
         """
         ex = self._exchange
         ex.reset_counters()
         incoming = self._start_bucket(0, params, group, keep)
-        outgoing, owned, ns_calls = [], [], 0
+        updates, ns_calls = self._orthogonalized_stacks(params, group, keep)
+        outgoing, owned = [], []
         for b, layout in enumerate(ex.layouts):
             full = ex.finish_to_owners(incoming)
             if b + 1 < len(ex.layouts):
@@ -248,10 +270,26 @@ class Muon(torch.optim.Optimizer):
             outgoing.append(ex.start_to_shards(b, done))
             owned += layout.owned
             ns_calls += len(layout.ns_batches)
-        updates: dict[int, torch.Tensor] = {}
         for pending in outgoing:
             updates.update(ex.finish_to_shards(pending))
         return updates, sorted(owned), ns_calls
+
+    def _orthogonalized_stacks(
+        self, params: list[torch.Tensor], group: dict, keep: _Keep
+    ) -> tuple[dict[int, torch.Tensor], int]:
+        """The momentum update of every matrix of this rank's stack shards,
+        orthogonalised here (one batched call per matrix shape), by param
+        index, and the number of calls."""
+        ids = [i for i in self._stack_ids if params[i].grad is not None]
+        outs = [
+            torch.empty(_local(params[i]).shape, dtype=self.ns_dtype, device=self._exchange.device)
+            for i in ids
+        ]
+        for i, out in zip(ids, outs, strict=True):
+            self._momentum_update(params[i], group, out, keep)
+        calls = len({tuple(out.shape[1:]) for out in outs if out.shape[0]})
+        done = orthogonalize_stacks(outs, lambda s: self._orthogonalize(s, group))
+        return dict(zip(ids, done, strict=True)), calls
 
     def _start_bucket(self, bucket: int, params: list[torch.Tensor], group: dict, keep: _Keep):
         """Momentum-update this rank's rows of ``bucket``'s matrices straight

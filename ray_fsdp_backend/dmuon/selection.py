@@ -1,4 +1,8 @@
-"""Which parameters Muon orthogonalises ("dedicated") and which go to AdamW."""
+"""Which parameters Muon orthogonalises ("dedicated") and which go to AdamW.
+
+A dedicated parameter is a 2-D matrix, or a 3-D stack of matrices on dim 0
+(an experts module's ``[E, out, in]`` weights: E matrices, see
+:mod:`~ray_fsdp_backend.dmuon.stacks`)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ray_fsdp_backend.dmuon.plan import MatrixSpec
+from ray_fsdp_backend.dmuon.stacks import STACK_NDIM, is_expert_stack
 from ray_fsdp_backend.strategies.blocks import find_blocks
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -33,15 +38,21 @@ def _is_ancestor(outer: str, inner: str) -> bool:
 
 def default_dedicated(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
     """The default choice: 2-D weights inside a block, except embedding
-    tables. Embeddings, the output head, norms and biases (outside blocks or
-    not 2-D) go to AdamW."""
+    tables, and the 3-D weights of experts modules (every expert's matrix).
+    Embeddings, the output head, norms and biases (outside blocks or not
+    2-D) go to AdamW."""
     prefixes = tuple(p + "." for p in block_prefixes(model))
     embeddings = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }
+    stacks = {
+        id(p) for m in model.modules() for p in m.parameters(recurse=False) if is_expert_stack(m, p)
+    }
 
     def is_dedicated(name: str, param: nn.Parameter) -> bool:
-        return param.ndim == 2 and name.startswith(prefixes) and id(param) not in embeddings
+        if not name.startswith(prefixes):
+            return False
+        return id(param) in stacks or (param.ndim == 2 and id(param) not in embeddings)
 
     return is_dedicated
 
@@ -53,7 +64,7 @@ def select_parameters(
     (dedicated, rest) with ``is_dedicated`` or :func:`default_dedicated`.
 
     Raises:
-        ValueError: a dedicated parameter that is not 2-D (naming it).
+        ValueError: a dedicated parameter that is not 2-D or 3-D (naming it).
     """
     choose = is_dedicated or default_dedicated(model)
     dedicated: NamedParams = []
@@ -62,10 +73,11 @@ def select_parameters(
         if p.requires_grad:
             (dedicated if choose(name, p) else rest).append((name, p))
     for name, p in dedicated:
-        if p.ndim != 2:
+        if p.ndim not in (2, STACK_NDIM):
             raise ValueError(
                 f"dedicated parameter {name!r} has shape {tuple(p.shape)}: Muon orthogonalises "
-                "2-D matrices only; leave it to AdamW (is_dedicated)"
+                "2-D matrices and 3-D stacks of them (one per index of dim 0) only; leave it "
+                "to AdamW (is_dedicated)"
             )
     return dedicated, rest
 
@@ -73,7 +85,16 @@ def select_parameters(
 def dedicated_specs(
     model: nn.Module, is_dedicated: Callable[[str, nn.Parameter], bool] | None = None
 ) -> list[MatrixSpec]:
-    """Name and shape of each matrix Muon would orthogonalise in ``model``
-    (which may live on the meta device), for planning without building it."""
+    """Name and shape of each 2-D matrix Muon would orthogonalise in
+    ``model`` (which may live on the meta device), for planning the owners
+    without building it; stacks (:func:`dedicated_stacks`) need no owners."""
     dedicated, _ = select_parameters(model, is_dedicated)
-    return [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated]
+    return [MatrixSpec(name, tuple(p.shape)) for name, p in dedicated if p.ndim == 2]
+
+
+def dedicated_stacks(
+    model: nn.Module, is_dedicated: Callable[[str, nn.Parameter], bool] | None = None
+) -> list[tuple[int, int, int]]:
+    """The shape of each dedicated stack of matrices (experts) in ``model``."""
+    dedicated, _ = select_parameters(model, is_dedicated)
+    return [tuple(p.shape) for _, p in dedicated if p.ndim == STACK_NDIM]

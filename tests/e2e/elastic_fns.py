@@ -24,9 +24,11 @@ from tests.e2e.ckpt_fns import full_params
 class RecordingBatches:
     """A ``ShardedBatches`` whose window starts are written, one line per micro-batch."""
 
-    def __init__(self, inner, record: dict, world_size: int, rank: int, mesh: list) -> None:
-        self.inner, self.record, self.world_size, self.mesh = inner, record, world_size, mesh
-        self.path = os.path.join(record["dir"], f"rank{rank}_pid{os.getpid()}.jsonl")
+    def __init__(self, inner, record: dict, ctx, dp_size: int) -> None:
+        self.inner, self.record, self.world_size = inner, record, ctx.world_size
+        self.mesh, self.dp_size = list(ctx.mesh.shape), dp_size
+        self.ranks = {"dp": ctx.dp_rank, "tp": ctx.tp_rank}  # tp peers read the same rows
+        self.path = os.path.join(record["dir"], f"rank{ctx.world_rank}_pid{os.getpid()}.jsonl")
         self.batches = 0
         self._starts: list[int] = []
         start = inner.order.start
@@ -41,7 +43,8 @@ class RecordingBatches:
         position = self.inner.position
         self._starts.clear()
         out = self.inner.next_batch()
-        line = {"t": time.time(), "ws": self.world_size, "mesh": self.mesh, "position": position}
+        line = {"t": time.time(), "ws": self.world_size, "mesh": self.mesh, "position": position,
+                **self.ranks}  # fmt: skip
         with open(self.path, "a") as f:
             f.write(json.dumps({**line, "starts": list(self._starts)}) + "\n")
         self.batches += 1
@@ -52,7 +55,7 @@ class RecordingBatches:
         rule = self.record
         if self.world_size != rule.get("hold_at_world_size"):
             return
-        accum = rule["global_batch_size"] // (self.world_size * self.inner.micro_batch_size)
+        accum = rule["global_batch_size"] // (self.dp_size * self.inner.micro_batch_size)
         deadline = time.time() + rule.get("hold_timeout_s", 120)
         if self.batches < rule["hold_after_steps"] * accum:
             return
@@ -74,9 +77,7 @@ def train_recording(loop_config: dict) -> dict:
     build_batches, build_optimizer = example_train.build_batches, example_train.build_optimizer
 
     def recording_batches(spec, dp_rank, dp_size):
-        inner = build_batches(spec, dp_rank, dp_size)
-        mesh = list(ctx.mesh.shape)
-        return RecordingBatches(inner, record, ctx.world_size, ctx.world_rank, mesh)
+        return RecordingBatches(build_batches(spec, dp_rank, dp_size), record, ctx, dp_size)
 
     def keeping_optimizer(model, spec):
         kept["model"] = model

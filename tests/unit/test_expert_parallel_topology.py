@@ -79,10 +79,6 @@ def test_ep_not_dividing_shard_x_cp_is_refused_before_workers():
             dict(use_fsdp=True, expert_parallel_size=2, tensor_parallel_size=2),
             "tensor_parallel_size=2 is not supported",
         ),
-        (
-            dict(use_fsdp=True, expert_parallel_size=2, use_dmuon=True),
-            "use_dmuon=true is not supported",
-        ),
         (dict(use_fsdp=True, expert_parallel_size=True), "expert_parallel_size=True has type bool"),
     ],
 )
