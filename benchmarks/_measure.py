@@ -1,4 +1,5 @@
-"""What every comparison shares: A/B timing, collective counting, bytes per rank.
+"""What every comparison shares: A/B timing and bytes per rank (collectives:
+:mod:`benchmarks._collectives`).
 
 Timing: candidates run in blocks of ``steps`` calls, in alternating order
 (A B, B A, A B, ...), so that load drifting on a shared machine hits both
@@ -15,11 +16,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def barrier() -> None:
@@ -72,100 +70,6 @@ def compare(a: list[float], b: list[float]) -> dict:
         "ratio_max": max(ratios),
         "reps": len(ratios),
     }
-
-
-class CollectiveCounter:
-    """Counts collectives issued while active, in this process only.
-
-    Patches the ``torch.distributed`` calls (what our code issues) and the
-    functional collectives DTensor issues when it redistributes (what
-    ``torch.nn.utils.clip_grad_norm_`` issues on DTensors). A collective
-    called from inside another counted one is not counted twice.
-    """
-
-    _C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-             "broadcast", "all_to_all_single", "all_reduce_coalesced")  # fmt: skip
-    _FUNCOL = ("all_reduce", "all_reduce_coalesced", "all_gather_single", "all_gather_tensor",
-               "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single",
-               "broadcast")  # fmt: skip
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self._depth = 0
-        self._saved: list[tuple[object, str, Callable]] = []
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def _wrap(self, name: str, fn: Callable) -> Callable:
-        def counted(*args, **kwargs):
-            if self._depth == 0:
-                self.counts[name] = self.counts.get(name, 0) + 1
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def __enter__(self) -> CollectiveCounter:
-        for module, names in ((dist, self._C10D), (c10d, self._C10D), (funcol, self._FUNCOL)):
-            for name in names:
-                fn = getattr(module, name, None)
-                if fn is not None:
-                    self._saved.append((module, name, fn))
-                    setattr(module, name, self._wrap(name, fn))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for module, name, fn in reversed(self._saved):
-            setattr(module, name, fn)
-        self._saved.clear()
-
-
-class FunctionalCollectiveLog(TorchDispatchMode):
-    """Records the functional collectives issued while active (DTensor's,
-    i.e. tensor parallelism's; FSDP2's own c10d calls are not seen): each as
-    ``(phase, kind, group ranks, input bytes)``, ``phase`` being whatever
-    :attr:`phase` was set to when it was issued. A group is known by its
-    ranks: two meshes over the same ranks may name their groups apart."""
-
-    KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter"}  # fmt: skip
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase = "forward"
-        self.seen: list[tuple[str, str, tuple[int, ...], int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = self.KINDS.get(func._overloadpacket.__name__)
-        if func.namespace == "_c10d_functional" and kind is not None:
-            group = args[-1]  # each takes its group (a name, torch 2.13) last
-            if isinstance(group, str):
-                group = c10d._resolve_process_group(group)
-            ranks = tuple(dist.get_process_group_ranks(group))
-            self.seen.append((self.phase, kind, ranks, args[0].nbytes))
-        return func(*args, **(kwargs or {}))
-
-    @staticmethod
-    def ring_bytes(kind: str, group_size: int, input_bytes: int) -> float:
-        """Bytes one rank sends for one collective in a ring: ``(T - 1) / T``
-        of the whole tensor per all-gather (whose input is one rank's shard)
-        or reduce-scatter, twice that per all-reduce."""
-        share = (group_size - 1) / group_size
-        whole = input_bytes * group_size if kind == "all_gather" else input_bytes
-        return whole * share * (2 if kind == "all_reduce" else 1)
-
-    def sent(self, ranks: tuple[int, ...] | None = None) -> float:
-        """Bytes this rank sent (ring), over the group of ``ranks`` only if given."""
-        return sum(
-            self.ring_bytes(kind, len(group), nbytes)
-            for _, kind, group, nbytes in self.seen
-            if ranks is None or group == ranks
-        )
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -3,10 +3,10 @@
 Both clip the same DTensor gradients (``Shard(0)`` over all ranks, as FSDP2
 leaves them) at 10, 100 and 1000 parameter tensors; each call clips (the
 norm always exceeds ``max_norm``), so both also scale every gradient.
-Collectives are counted by patching ``torch.distributed`` and the functional
-collectives DTensor uses, in the benchmark process only
-(:class:`benchmarks._measure.CollectiveCounter`); ours also reports its own
-count in ``ClipStats.num_collectives``.
+Collectives are counted as they reach torch's dispatcher, ``torch.distributed``
+calls and the functional collectives DTensor uses alike, in the benchmark
+process only (:class:`benchmarks._collectives.CollectiveLog`); ours also
+reports its own count in ``ClipStats.num_collectives``.
 
 One more row shows what torch's function cannot do: FSDP-sharded and plain
 (unsharded) gradients together, which our clip handles in the same call.
@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from benchmarks import _measure
+from benchmarks._collectives import CollectiveLog
 from ray_fsdp_backend.clip import clip_grad_norm_
 
 MAX_NORM = 1e-3
@@ -36,9 +37,9 @@ def _sharded_params(n: int, shape: tuple[int, int], mesh) -> list[torch.nn.Param
 
 
 def _count(fn) -> int:
-    with _measure.CollectiveCounter() as counter:
+    with CollectiveLog() as log:
         fn()
-    return counter.total
+    return len(log.records)
 
 
 def _torch_on_mixed(mesh, shape) -> str:

@@ -8,7 +8,7 @@ every expert sharded over the 4 ranks), **ep2** (ep 2 x efsdp 2) and **ep4**
 
 - bytes each rank sends in one training step (forward, backward, the global
   clip, AdamW), COUNTED from the collectives issued
-  (:class:`benchmarks._traffic.TrafficCounter` sees every c10d and
+  (:class:`benchmarks._collectives.CollectiveLog` sees every c10d and
   functional collective at torch's dispatcher), by kind and process group;
   the experts' share beside what ``ray-fsdp plan`` estimates for them
   (``memory.estimate_expert_traffic`` on the shape ``--hf-config`` reads).
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks import _measure
-from benchmarks._traffic import TrafficCounter
+from benchmarks._collectives import CollectiveLog
 from ray_fsdp_backend import FSDPConfig, build_strategy
 from ray_fsdp_backend.expert_plan import moe_model_from_hf
 from ray_fsdp_backend.memory import estimate_expert_traffic
@@ -132,13 +132,13 @@ def _global_loss(local: float) -> float:
 def _counted_step(run: Run) -> dict:
     """One step under the counter: bytes sent and calls by (kind, group)
     on this rank, and the peak model state the step adds."""
-    counter = TrafficCounter(run.groups, run.model)
-    with counter:
+    log = CollectiveLog(run.groups, run.model)
+    with log:
         _step(run)
     return {
-        "sent": {f"{k}@{g}": n for (k, g), n in counter.sent.items()},
-        "calls": {f"{k}@{g}": n for (k, g), n in counter.calls.items()},
-        "peak_transient": counter.peak_transient,
+        "sent": {f"{k}@{g}": n for (k, g), n in log.sent("kind", "group").items()},
+        "calls": {f"{k}@{g}": n for (k, g), n in log.calls("kind", "group").items()},
+        "peak_transient": log.peak_transient,
     }
 
 

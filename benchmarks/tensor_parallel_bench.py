@@ -14,8 +14,8 @@ column-wise layers fed plain tensors, as before torchtitan's layout was
 adopted (each then all-reduces its own input gradient: q, k, v, gate, up),
 against the shipped layout (one reduction per attention and per MLP), with
 sequence parallelism on and off; all five runs alternate. Bytes per step are
-what one rank sends over its tp group in one step (ring, every DTensor
-collective: blocks, embedding, head and clip), recorded by a dispatch mode;
+what one rank sends over its tp group in one step (ring, every collective:
+blocks, embedding, head and clip), recorded by a dispatch mode;
 the plan's per-block estimate stands beside them.
 
 On CPU with gloo, TP adds per-layer collectives (all-gather and
@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from benchmarks import _measure, _workload
+from benchmarks._collectives import CollectiveLog
 from ray_fsdp_backend import FSDPConfig, build_strategy
 from ray_fsdp_backend.memory import estimate_activations, estimate_tp_block_traffic
 from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
@@ -118,10 +119,10 @@ def _logged_step(run: tuple, world: int) -> tuple[float, float]:
     """One more step: the bytes this rank sends over its tp group (max over
     ranks) and the global loss."""
     strategy = run[0]
-    with _measure.FunctionalCollectiveLog() as log:
+    with CollectiveLog() as log:
         loss = _step(*run[:4])
     tp_ranks = tuple(dist.get_process_group_ranks(strategy.tp_mesh.get_group()))
-    sent = _measure.max_over_ranks([log.sent(tp_ranks)])[0]
+    sent = _measure.max_over_ranks([float(log.sent("ranks")[tp_ranks])])[0]
     return sent, _global_loss(loss, world)
 
 

@@ -363,15 +363,15 @@ def _run_case(rank, case: Case, path, s3):
 
 def _expert_traffic(model, part, mesh) -> dict[tuple[str, str], int]:
     """Bytes this rank sends in one forward and backward, by (collective,
-    group), counted from the collectives issued (benchmarks/_traffic.py)."""
-    from benchmarks._traffic import TrafficCounter
+    group), counted from the collectives issued (benchmarks/_collectives.py)."""
+    from benchmarks._collectives import CollectiveLog
 
-    counter = TrafficCounter({mesh[a].get_group().group_name: a for a in ("ep", "efsdp")})
+    log = CollectiveLog({mesh[a].get_group().group_name: a for a in ("ep", "efsdp")})
     xs, ys = _batches()
     model.zero_grad(set_to_none=True)
-    with counter:
+    with log:
         _loss(model, xs[0], ys[0], part, contextlib.nullcontext).backward()
-    return dict(counter.sent)
+    return dict(log.sent("kind", "group"))
 
 
 def _weight_bytes(path: str) -> tuple[int, int]:

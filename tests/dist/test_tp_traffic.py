@@ -28,7 +28,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from benchmarks._measure import FunctionalCollectiveLog
+from benchmarks._collectives import CollectiveLog
 from ray_fsdp_backend.memory import ActivationShape, estimate_tp_block_traffic
 from ray_fsdp_backend.strategies.blocks import apply_activation_checkpointing, find_blocks
 from ray_fsdp_backend.strategies.tensor_parallel import (
@@ -90,12 +90,12 @@ def _traffic(kind: str, layers: int, sp: bool, checkpointing: bool, mesh, tokens
     apply_tensor_parallel(model, mesh, resolve_tp_plan(model, None), TPOptions(sp, False))
     if checkpointing:
         apply_activation_checkpointing(model, find_blocks(model))
-    with FunctionalCollectiveLog() as mode:
+    with CollectiveLog(phase="forward") as log:
         loss = _loss(model, tokens)
-        mode.phase = "backward"
+        log.phase = "backward"
         loss.backward()
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-    return mode.seen, reference, grads
+    return log.records, reference, grads
 
 
 def _full(t):
@@ -109,7 +109,7 @@ def _per_block(rank, world):
         tokens = input_ids(BATCH, SEQ) % (DECODER.vocab_size if kind == "decoder" else VOCAB)
         one, _, _ = _traffic(kind, 1, sp, checkpointing, mesh, tokens)
         two, state, grads = _traffic(kind, 2, sp, checkpointing, mesh, tokens)
-        added = Counter(two) - Counter(one)  # (phase, kind, ranks, bytes) of block 2
+        added = Counter(two) - Counter(one)  # the collectives of block 2
         assert Counter(one) <= Counter(two), (name, one, two)
         dim = DECODER.dim if kind == "decoder" else tiny_config("llama").hidden_size
         out[name] = {"added": added, "state": state, "grads": grads, "tokens": tokens, "dim": dim}
@@ -137,8 +137,7 @@ def test_collectives_per_block_as_torchtitan(results, name):
 def test_plan_estimate_equals_the_bytes_counted(results, name):
     kind, sp, checkpointing = CASES[name]
     added = results[name]["added"].items()
-    ring = FunctionalCollectiveLog.ring_bytes
-    sent = sum(ring(k, len(group), nbytes) * n for (_, k, group, nbytes), n in added)
+    sent = sum(record.sent * n for record, n in added)
     shape = ActivationShape(
         n_layers=1,
         dim=results[name]["dim"],

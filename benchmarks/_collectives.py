@@ -1,36 +1,48 @@
-"""Bytes each rank sends, counted from the collectives actually issued, and
-the model state it holds at its peak.
+"""The collectives a rank issues, recorded as they reach torch's dispatcher:
+how many, of which kind, on which group, in which phase, and the bytes sent.
 
-:class:`TrafficCounter` is a ``TorchDispatchMode``: every collective reaches
-torch's dispatcher as a ``c10d`` op (FSDP2's all-gather and reduce-scatter,
-``torch.distributed`` calls) or a ``_c10d_functional`` op (the autograd
-all-to-all transformers' ``AllToAllEP`` issues, in forward and in backward),
-so the mode sees each one with its real tensors and process group, whoever
-calls it and however it was imported. Bytes *sent* by this rank, per
-collective, as a ring or pairwise exchange moves them:
+:class:`CollectiveLog` is a ``TorchDispatchMode``: every collective reaches
+the dispatcher as a ``c10d`` op (FSDP2's all-gather and reduce-scatter,
+``torch.distributed`` calls) or a ``_c10d_functional`` op (DTensor's
+redistributions, i.e. tensor parallelism's and a DTensor clip's, and the
+autograd all-to-all transformers' ``AllToAllEP`` issues), so the mode sees
+each one with its real tensors and process group, whoever calls it and
+however it was imported. A mode sees an op before a tensor subclass does and
+runs it with itself off, so the mode hands a DTensor's op back to DTensor
+(``NotImplemented``): DTensor's dispatch then runs with the mode on, and the
+collectives it issues inside (the all-reduce of a ``Partial`` norm in
+``torch.nn.utils.clip_grad_norm_``) are recorded. A collective runs with the
+mode off, so whatever it issues inside (a functional collective's own
+``c10d`` call) is not recorded again: one record per collective issued. Bytes *sent* by this rank,
+per collective, as a ring or pairwise exchange moves them:
 
 - all-gather: its input, to each of the ``n - 1`` others: ``input x (n - 1)``;
 - reduce-scatter: ``input x (n - 1) / n`` (every chunk but its own);
 - all-to-all: every row of its input but the rows it keeps (its own split);
 - all-reduce: ``2 x bytes x (n - 1) / n``; broadcast: ``bytes x (n - 1) / n``.
 
-Each is filed under its kind and the name of the process group it ran on
-(mapped to a mesh axis name by the caller). The same mode samples, at every
-op, the model state beyond the sharded steady state: parameters that are
-not the sharded ones (FSDP2's unsharded parameters, with their gradients)
-and the collective buffers still alive (all-gather outputs, reduce-scatter
-inputs): :attr:`TrafficCounter.peak_transient`.
+Each record names its group by a label (``group_names`` maps a process
+group's name to one, e.g. a mesh axis; else ``"size n"``) and by its ranks
+(two meshes over the same ranks may name their groups apart), and carries
+the :attr:`CollectiveLog.phase` set when it was issued. Given ``model``, the
+same mode samples, at every op, the model state beyond the sharded steady
+state: parameters that are not the sharded ones (FSDP2's unsharded
+parameters, with their gradients) and the collective buffers still alive
+(all-gather outputs, reduce-scatter inputs): :attr:`CollectiveLog.peak_transient`.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections import defaultdict
+from collections import Counter
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks._measure import local_bytes
@@ -50,8 +62,23 @@ KINDS = {
     "all_reduce": "all_reduce",
     "all_reduce_coalesced": "all_reduce",
     "broadcast_": "broadcast",
+    "broadcast": "broadcast",
 }
-"""Collective ops by their dispatcher name, filed under one kind each."""
+"""Collective ops by their dispatcher name (``c10d`` and ``_c10d_functional``),
+filed under one kind each."""
+
+SOURCE_ARGS = ("input_tensor", "input_tensors", "input", "inputs", "tensors")
+"""The argument holding what a rank contributes, as each op's schema names it."""
+
+
+class Collective(NamedTuple):
+    """One collective this rank issued."""
+
+    phase: str | None
+    kind: str
+    group: str
+    ranks: tuple[int, ...]
+    sent: int
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -75,6 +102,10 @@ def _group(bound: dict):
     return c10d._resolve_process_group(bound["group_name"])
 
 
+def _source(bound: dict):
+    return next(bound[name] for name in SOURCE_ARGS if name in bound)
+
+
 def _all_to_all_kept(tensor: torch.Tensor, splits, rank: int, size: int) -> int:
     """Bytes of the rows ``rank`` sends to itself."""
     rows = tensor.shape[0] if tensor.dim() else 0
@@ -82,14 +113,6 @@ def _all_to_all_kept(tensor: torch.Tensor, splits, rank: int, size: int) -> int:
         return 0
     kept = splits[rank] if len(splits) else rows // size
     return int(kept) * tensor.numel() // rows * tensor.element_size()
-
-
-SOURCE_ARGS = ("input_tensor", "input_tensors", "input", "inputs", "tensors")
-"""The argument holding what a rank contributes, as each op's schema names it."""
-
-
-def _source(bound: dict):
-    return next(bound[name] for name in SOURCE_ARGS if name in bound)
 
 
 def sent_bytes(kind: str, bound: dict, group) -> int:
@@ -110,19 +133,24 @@ def _buffer(kind: str, bound: dict):
     return bound.get("output_tensor") if kind == "all_gather" else _source(bound)
 
 
-class TrafficCounter(TorchDispatchMode):
-    """Counts the bytes this rank sends (``sent[(kind, group)]``) and the
-    calls (``calls[(kind, group)]``) while active; ``group_names`` maps a
-    process group's name to a label (a mesh axis), else its size is used.
-    With ``model``, also tracks :attr:`peak_transient` (module docstring):
-    build it while the model's parameters are all sharded (after wrapping,
+class CollectiveLog(TorchDispatchMode):
+    """Records every collective issued while active (:attr:`records`, one
+    :class:`Collective` each, module docstring); set :attr:`phase` to file
+    the next ones under it. ``group_names`` maps a process group's name to
+    its label. With ``model``, also tracks :attr:`peak_transient`: build the
+    log while the model's parameters are all sharded (after wrapping,
     outside forward and backward)."""
 
-    def __init__(self, group_names: dict[str, str], model: nn.Module | None = None):
+    def __init__(
+        self,
+        group_names: dict[str, str] | None = None,
+        model: nn.Module | None = None,
+        phase: str | None = None,
+    ):
         super().__init__()
-        self.group_names = group_names
-        self.sent: dict[tuple[str, str], int] = defaultdict(int)
-        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.group_names = group_names or {}
+        self.phase = phase
+        self.records: list[Collective] = []
         self.model = model
         self._sharded = {id(p) for p in model.parameters()} if model is not None else set()
         self._buffers: list[weakref.ref] = []
@@ -131,13 +159,12 @@ class TrafficCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = KINDS.get(func._overloadpacket.__name__)
+        if kind is None and any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor dispatches it, issuing collectives we see
         if kind is not None:
             names = [a.name for a in func._schema.arguments]
             bound = {**dict(zip(names, args, strict=False)), **kwargs}
-            group = _group(bound)
-            label = self.group_names.get(group.group_name, f"size {group.size()}")
-            self.sent[(kind, label)] += sent_bytes(kind, bound, group)
-            self.calls[(kind, label)] += 1
+            self._record(kind, bound)
         out = func(*args, **kwargs)
         if kind in ("all_gather", "reduce_scatter"):  # FSDP2's flat buffers, while alive
             buffer = out if kind == "all_gather" and "group_name" in bound else None
@@ -146,6 +173,13 @@ class TrafficCounter(TorchDispatchMode):
         if self.model is not None:
             self.peak_transient = max(self.peak_transient, self._transient())
         return out
+
+    def _record(self, kind: str, bound: dict) -> None:
+        group = _group(bound)
+        label = self.group_names.get(group.group_name, f"size {group.size()}")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        sent = sent_bytes(kind, bound, group)
+        self.records.append(Collective(self.phase, kind, label, ranks, sent))
 
     def _transient(self) -> int:
         """Unsharded parameters and their gradients now registered, and the
@@ -159,10 +193,19 @@ class TrafficCounter(TorchDispatchMode):
         buffers = [t for _, t in alive if t is not None]
         return local_bytes(params) + local_bytes(grads) + _nbytes(buffers)
 
-    def by_kind(self, labels: tuple[str, ...] | None = None) -> dict[str, int]:
-        """Bytes sent per kind, over ``labels`` (every group when None)."""
-        out: dict[str, int] = defaultdict(int)
-        for (kind, label), n in self.sent.items():
-            if labels is None or label in labels:
-                out[kind] += n
-        return dict(out)
+    def calls(self, *fields: str) -> Counter:
+        """How many collectives, by the record ``fields`` named (a tuple key
+        per record; the bare value when one field is named)."""
+        return Counter(self._key(r, fields) for r in self.records)
+
+    def sent(self, *fields: str) -> Counter:
+        """Bytes this rank sent, by the record ``fields`` named (as :meth:`calls`)."""
+        out: Counter = Counter()
+        for r in self.records:
+            out[self._key(r, fields)] += r.sent
+        return out
+
+    @staticmethod
+    def _key(record: Collective, fields: tuple[str, ...]):
+        key = tuple(getattr(record, f) for f in fields)
+        return key[0] if len(key) == 1 else key
