@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from ray_fsdp_backend import FSDPConfig
-from ray_fsdp_backend.cli import format_ranks, main
+from ray_fsdp_backend.cli import main
 from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.plan_report import format_ranks
 from ray_fsdp_backend.topology import compute_mesh_layout, compute_topology_from_env
 from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
 

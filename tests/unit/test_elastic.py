@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from ray_fsdp_backend.cli import format_elastic_plan
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.elastic import (
     elastic_world_sizes,
@@ -13,6 +12,7 @@ from ray_fsdp_backend.elastic import (
     worker_range,
 )
 from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.plan_report import format_elastic_plan
 from ray_fsdp_backend.topology import topology_from_node_counts
 from ray_fsdp_backend.trainer.data import compute_rank_samples, skipped_batches
 from ray_fsdp_backend.trainer.spec import build_spec, check_spec

@@ -140,7 +140,7 @@ def test_ep_plan_expands_and_refuses():
 
 
 def test_plan_prints_the_expert_groups():
-    from ray_fsdp_backend.cli import format_expert_groups
+    from ray_fsdp_backend.plan_report import format_expert_groups
 
     assert format_expert_groups(_layout([4])) == []
     assert format_expert_groups(_layout([4], ep=2)) == [
