@@ -150,8 +150,9 @@ def test_tensor_parallel_and_fsdp_train_the_same_global_batch(results):
 
 def test_upload_stream_smoke():
     """``benchmarks.upload_stream`` at 16 MiB (its default is 1 GiB, run by
-    hand): both modes upload every byte; the staged one spools to disk what
-    its memory part does not hold."""
+    hand): both modes upload every byte, and the streamed one (the layer
+    now) puts nothing on local disk (the spooled one, the layer before issue
+    34, does above 16 MiB)."""
     from benchmarks import upload_stream
 
     result = upload_stream.main(["--mib", "16", "--reps", "1"])
