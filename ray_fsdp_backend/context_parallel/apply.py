@@ -13,8 +13,8 @@ Two kinds of model are recognised:
   ``position_ids`` only without a cache, and ``use_cache`` defaults to True
   even in train mode (a packed row would attend across documents).
   A name that transformers has no mask function for makes it pass no mask:
-  the Ulysses function builds the causal, per-document mask itself from
-  the gathered ``position_ids``.
+  the Ulysses function finds the documents itself from the gathered
+  ``position_ids`` and attends within each (no mask tensor).
 """
 
 from __future__ import annotations
@@ -157,37 +157,68 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 
 
 def check_context_parallel(
-    model: nn.Module, backend: ContextParallelBackend | str
+    model: nn.Module,
+    backend: ContextParallelBackend | str,
+    compute_dtype: torch.dtype | None = None,
 ) -> ContextParallelBackend:
     """Refuse what ``backend`` cannot compute for ``model``, by name, before
     any weight moves (``ctx.wrap`` calls it first). Returns the backend.
 
     Ring is torch's ``context_parallel``: it turns plain causal SDPA into ring
-    attention and computes no sliding window, soft-cap, attention sink, or
-    mask (so no packed documents). It is wired for the project's decoder
-    (plain causal attention); a transformers model is refused with ring
-    whatever its family, since every transformers decoder may pass any of
-    these per layer.
+    attention through the CUDA flash or memory-efficient kernel and computes
+    no sliding window, soft-cap, attention sink, or mask (so no packed
+    documents: ``ctx.shard_sequence`` refuses packed rows for ring). It is
+    wired for the project's decoder (plain causal attention); a transformers
+    model is refused with ring whatever its family, since every transformers
+    decoder may pass any of these per layer. Grouped-query heads in float32
+    (``compute_dtype``: what the attention computes in, e.g. FSDP's
+    mixed-precision ``param_dtype``) are refused too: flash takes bf16/fp16
+    only and the memory-efficient kernel no grouped-query heads, so SDPA
+    falls to the math kernel, for which torch 2.13 raises "CP only supports
+    flash attention and memory efficient attention now".
 
     Raises:
         ValueError: no recognised attention (see :func:`attention_heads`),
-            or ring for a transformers model.
+            ring for a transformers model, or ring with float32
+            grouped-query attention.
     """
     attention_heads(model)
     backend = ContextParallelBackend(backend)
+    if backend is ContextParallelBackend.RING:
+        _check_ring(model, compute_dtype)
+    return backend
+
+
+def _check_ring(model: nn.Module, compute_dtype: torch.dtype | None) -> None:
     hf_models = _hf_models(model)
-    if hf_models and backend is ContextParallelBackend.RING:
+    if hf_models:
         raise ValueError(
             f"context_parallel_backend='ring' cannot run {type(hf_models[0]).__name__}: torch's "
             "ring attention computes plain causal SDPA only (no sliding_window, softcap, "
             "attention sinks or document masks, which transformers models pass per layer); "
             "it is wired for the project's decoder. Use 'ulysses' for transformers models"
         )
-    return backend
+    grouped = [
+        m
+        for m in model.modules()
+        if isinstance(m, ContextParallelAttention) and (m.kv_heads or m.n_heads) < m.n_heads
+    ]
+    if grouped and compute_dtype == torch.float32:
+        m = grouped[0]
+        raise ValueError(
+            f"context_parallel_backend='ring' cannot run {type(m).__name__} with grouped-query "
+            f"heads ({m.n_heads} query, {m.kv_heads} key/value) in float32: torch's ring takes "
+            "the flash kernel (bf16/fp16 only) or the memory-efficient one (no grouped-query "
+            "heads), and raises for the math kernel. Compute in bf16 "
+            "(use_mixed_precision=true) or use 'ulysses'"
+        )
 
 
 def apply_context_parallel(
-    model: nn.Module, group, backend: ContextParallelBackend | str = "ulysses"
+    model: nn.Module,
+    group,
+    backend: ContextParallelBackend | str = "ulysses",
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Make every attention of ``model`` context-parallel over ``group``.
 
@@ -196,9 +227,9 @@ def apply_context_parallel(
 
     Raises:
         ValueError: ``model`` has no attention this module recognises, or
-            ring for a transformers model (not wired: use Ulysses).
+            what ring cannot run (:func:`check_context_parallel`).
     """
-    backend = check_context_parallel(model, backend)
+    backend = check_context_parallel(model, backend, compute_dtype)
     hf_models = _hf_models(model)
     ulysses = UlyssesAttention(group)
     kernel = ulysses if backend is ContextParallelBackend.ULYSSES else ring_causal_attention

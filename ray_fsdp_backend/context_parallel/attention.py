@@ -1,44 +1,70 @@
 """Attention over whole (possibly packed) rows: causal, and never across documents.
 
-The one kernel both the project's decoder and the Ulysses exchange call.
-Unpacked rows take SDPA's ``is_causal`` path (no mask tensor; flash and
-memory-efficient kernels stay eligible); packed rows get a boolean
-``[batch, 1, seq, seq]`` mask, causal and same-document, built from
-``position_ids`` (:func:`~ray_fsdp_backend.context_parallel.sequence.document_ids`).
+The one kernel both the project's decoder and the Ulysses exchange call, in
+memory linear in the sequence: no ``seq x seq`` tensor is built for packed
+rows or sliding windows.
+
+- Unpacked rows take SDPA's ``is_causal`` path (no mask tensor; the flash
+  kernels stay eligible: CPU, CUDA).
+- Packed rows are cut at their documents' boundaries
+  (:func:`document_spans`, read from ``position_ids`` with one host
+  transfer) and each document runs the same causal kernel on its own slice:
+  a document's tokens see exactly its own earlier tokens, the
+  per-document mask of transformers, without building it.
+- A sliding window cuts a document further into query chunks of ``window``
+  tokens, each attending to at most the ``2 * window - 1`` keys it can reach
+  through a ``window x (2 * window - 1)`` mask: memory ``O(seq * window)``.
+- A logit soft-cap (Gemma 2) or attention sinks (gpt-oss) have no fused SDPA
+  kernel: those layers take the explicit form (:func:`eager_attention`) per
+  document, whose scores are ``doc_len x doc_len`` per head.
+
+flex attention was measured and set aside: torch 2.13 has no flex backward
+on CPU ("FlexAttention does not support backward on CPU"), and eager flex
+materialises the scores.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_fsdp_backend.context_parallel.sequence import document_ids
+Span = tuple[int, int]
+"""``(start, end)`` token offsets of one document in a row."""
+
+DocumentSpans = list[tuple[list[int], list[Span]]]
+"""Rows grouped by their documents: ``(rows, spans)`` pairs, each group's
+rows sharing one tuple of spans that covers the whole row."""
 
 
-def document_causal_mask(
-    position_ids: torch.Tensor, window: int | None = None
-) -> torch.Tensor | None:
-    """``[batch, 1, seq, seq]`` boolean mask (True: attend): causal, within
-    each token's document, and (``window``) at most ``window - 1`` tokens
-    back (transformers' ``sliding_window_overlay``: ``kv > q - window``).
-    None when every row is one document and there is no window (plain
-    causal attention suffices)."""
-    docs = document_ids(position_ids)
-    packed = bool((docs[:, -1] > docs[:, 0]).any())
-    if not packed and window is None:
-        return None
+def document_spans(position_ids: torch.Tensor, rows: int) -> DocumentSpans | None:
+    """The documents of ``rows`` packed rows from their ``position_ids``
+    (``[rows or 1, seq]``; a document starts wherever the position does not
+    follow the previous one by 1, the rule of
+    :func:`~ray_fsdp_backend.context_parallel.sequence.document_ids`),
+    rows with equal boundaries grouped. One host transfer. None when every
+    row is one document (plain causal attention suffices)."""
     seq = position_ids.shape[-1]
-    index = torch.arange(seq, device=docs.device)
-    back = index[:, None] - index[None, :]  # q - kv
-    allowed = back >= 0
-    if window is not None:
-        allowed = allowed & (back < window)
-    if not packed:
-        return allowed.expand(docs.shape[0], 1, seq, seq)
-    return (docs[:, :, None] == docs[:, None, :]).unsqueeze(1) & allowed
+    starts = torch.diff(position_ids, dim=-1) != 1
+    row_of, col_of = (t.tolist() for t in starts.nonzero(as_tuple=True))
+    if not row_of:
+        return None
+    cuts: list[list[int]] = [[] for _ in range(position_ids.shape[0])]
+    for row, col in zip(row_of, col_of, strict=True):
+        cuts[row].append(col + 1)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, row_cuts in enumerate(cuts):
+        groups.setdefault(tuple(row_cuts), []).append(row)
+    if position_ids.shape[0] == 1:
+        groups = {key: list(range(rows)) for key in groups}
+    spans = []
+    for key, members in groups.items():
+        bounds = [0, *key, seq]
+        spans.append((members, list(zip(bounds[:-1], bounds[1:], strict=True))))
+    return spans
 
 
 def causal_attention(
@@ -54,35 +80,118 @@ def causal_attention(
     each token's document when ``position_ids`` (``[batch or 1, seq]``) mark
     packed rows (``documents=False``: plain causal, for torch's ring, which
     takes no mask). Grouped-query ``k``/``v`` (fewer heads) are allowed."""
-    mask = None
+    spans = None
     if position_ids is not None and documents:
-        mask = document_causal_mask(position_ids.expand(q.shape[0], -1))
-    return masked_attention(q, k, v, mask, scale=scale)
+        spans = document_spans(position_ids, q.shape[0])
+    return document_attention(q, k, v, spans, scale=scale)
 
 
-def masked_attention(
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spans: DocumentSpans | None,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of ``[batch, heads, seq, head_dim]`` tensors within
+    each document of ``spans`` (:func:`document_spans`; None: each row is
+    one document), at most ``window - 1`` tokens back when ``window`` is
+    given (transformers' ``sliding_window_overlay``: ``kv > q - window``).
+    ``softcap`` (``softcap * tanh(s / softcap)``, Gemma 2), ``sinks`` (one
+    logit per query head that joins the softmax and is dropped after it,
+    gpt-oss) and ``dropout`` (on the attention weights; pass 0 in eval) are
+    computed as transformers' eager functions do. Grouped-query ``k``/``v``
+    are allowed."""
+    options = dict(scale=scale, window=window, softcap=softcap, sinks=sinks, dropout=dropout)
+    if spans is None:
+        return span_attention(q, k, v, **options)
+    outs, order = [], []
+    for rows, row_spans in spans:
+        index = torch.tensor(rows, device=q.device) if len(spans) > 1 else None
+        parts = [t if index is None else t.index_select(0, index) for t in (q, k, v)]
+        pieces = [span_attention(*(t[:, :, a:b] for t in parts), **options) for a, b in row_spans]
+        outs.append(torch.cat(pieces, dim=2))
+        order.extend(rows)
+    if len(outs) == 1:
+        return outs[0]
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return torch.cat(outs).index_select(0, inverse.to(q.device))
+
+
+def span_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Causal attention of one document (or whole rows): every query sees
+    the keys at or before it, within ``window``."""
+    seq = q.shape[2]
+    window = None if window is None or window >= seq else window
+    if softcap is not None or sinks is not None:
+        warn_math_once(q, "softcap" if softcap is not None else "attention sinks")
+        mask = None if window is None else window_mask(seq, seq, 0, window, q.device)
+        return eager_attention(
+            q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks, dropout=dropout
+        )
+    if window is None:
+        return sdpa(q, k, v, None, scale=scale, dropout=dropout)
+    chunks = []
+    for start in range(0, seq, window):
+        end, first = min(start + window, seq), max(0, start - window + 1)
+        mask = window_mask(end - start, end - first, start - first, window, q.device)
+        kv = (t[:, :, first:end] for t in (k, v))
+        chunks.append(sdpa(q[:, :, start:end], *kv, mask, scale=scale, dropout=dropout))
+    return torch.cat(chunks, dim=2)
+
+
+def window_mask(
+    queries: int, keys: int, offset: int, window: int | None, device=None
+) -> torch.Tensor:
+    """``[queries, keys]`` boolean mask (True: attend) of query ``i`` at key
+    position ``offset + i``: causal and (``window``) fewer than ``window``
+    tokens back."""
+    back = torch.arange(queries, device=device)[:, None] + offset
+    back = back - torch.arange(keys, device=device)[None, :]
+    allowed = back >= 0
+    return allowed if window is None else allowed & (back < window)
+
+
+def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    dropout: float = 0.0,
+    scale: float | None,
+    dropout: float,
 ) -> torch.Tensor:
-    """Attention with a boolean ``mask`` from :func:`document_causal_mask`
-    (None: plain causal). SDPA unless a logit ``softcap``
-    (``softcap * tanh(s / softcap)``, Gemma 2) or attention ``sinks`` (one
-    logit per query head that joins the softmax and is dropped after it,
-    gpt-oss) ask for the explicit form (:func:`eager_attention`), which
-    computes what transformers' eager functions do. ``dropout``: the
-    probability applied to the attention weights (pass 0 in eval)."""
+    """torch's SDPA, causal when ``mask`` is None. Grouped-query ``k``/``v``
+    with a mask are repeated to the query heads on CUDA, where the
+    memory-efficient kernel (the one that takes a mask) takes no
+    ``enable_gqa``; a half-precision CUDA call no fused kernel takes is
+    warned once (:func:`warn_math_once`)."""
     gqa = k.shape[1] != q.shape[1]
-    if softcap is not None or sinks is not None:
-        return eager_attention(
-            q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks, dropout=dropout
-        )
+    if gqa and mask is not None and q.is_cuda:
+        repeat = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), False
+    if q.is_cuda and q.dtype in HALF_DTYPES:
+        params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, mask is None, gqa)
+        fused = torch.backends.cuda.can_use_flash_attention(params)
+        if not (fused or torch.backends.cuda.can_use_efficient_attention(params)):
+            reason = f"head_dim={q.shape[-1]}, mask={mask is not None}, dropout={dropout}"
+            warn_math_once(q, f"no flash or memory-efficient SDPA kernel takes {reason}")
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -93,6 +202,25 @@ def masked_attention(
         scale=scale,
         enable_gqa=gqa,
     )
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+_WARNED: set[str] = set()
+
+
+def warn_math_once(q: torch.Tensor, reason: str) -> bool:
+    """Warn once per ``reason`` that a half-precision CUDA attention runs the
+    math form (fp32 scores of each document or window chunk); nothing on CPU
+    or in fp32, whose runs chose it. Returns whether it warned."""
+    if not (q.is_cuda and q.dtype in HALF_DTYPES) or reason in _WARNED:
+        return False
+    _WARNED.add(reason)
+    warnings.warn(
+        f"context_parallel attention: a {q.dtype} run takes the math kernel on CUDA "
+        f"({reason}): fp32 scores per document, slower and larger than flash",
+        stacklevel=3,
+    )
+    return True
 
 
 def eager_attention(
@@ -108,8 +236,8 @@ def eager_attention(
 ) -> torch.Tensor:
     """Scores, soft-cap, mask, softmax (float32, with the sink column when
     given), dropout, weighted values: the order of transformers' Gemma 2 and
-    gpt-oss eager functions. ``[batch, seq, seq]`` scores per head are
-    materialised."""
+    gpt-oss eager functions, on one document (``mask``: its window; None:
+    causal). ``[batch, seq, seq]`` scores per head are materialised."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -117,8 +245,7 @@ def eager_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
-        seq = q.shape[2]
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        mask = window_mask(q.shape[2], k.shape[2], 0, None, q.device)
     scores = scores.masked_fill(~mask, float("-inf")).float()
     if sinks is not None:
         sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
@@ -140,5 +267,9 @@ class ContextParallelAttention(nn.Module):
 
     n_heads: int
     """Query heads (context parallelism's Ulysses splits them over cp)."""
+
+    kv_heads: int | None = None
+    """Key/value heads when fewer than ``n_heads`` (grouped-query attention),
+    which torch's ring cannot run in fp32; None: as many as ``n_heads``."""
 
     attention_fn: Callable[..., torch.Tensor] = staticmethod(causal_attention)

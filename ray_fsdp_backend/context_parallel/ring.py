@@ -6,7 +6,13 @@ torch's ring dispatches the CUDA flash / memory-efficient / cuDNN SDPA
 kernels, takes no attention mask (so no packed rows), and on CPU fails
 ("no sharding strategy" for the CPU flash kernel, "mixed torch.Tensor and
 DTensor" under the math kernel, pytorch#147793, torch 2.13): the backend
-refuses ``ring`` on CPU and with packing before workers start.
+refuses ``ring`` on CPU and with packing before workers start. On CUDA it
+runs the flash (bf16/fp16) or memory-efficient (no grouped-query heads)
+kernel only, raising "CP only supports flash attention and memory efficient
+attention now" otherwise: ``ctx.wrap`` refuses fp32 grouped-query attention
+and ``ctx.shard_sequence`` packed rows, by name, before any step
+(:func:`~ray_fsdp_backend.context_parallel.apply.check_context_parallel`).
+tests/dist/test_ring_gpu.py runs it on two GPUs.
 
 Shards are head-tail load balanced
 (:func:`~ray_fsdp_backend.context_parallel.sequence.chunk_indices` with

@@ -104,8 +104,9 @@ def shard_sequence(
     tokens, so rotary embeddings and document masks see true positions.
 
     Raises:
-        ValueError: no ``[batch, seq]`` tensor, or ``seq`` not divisible (see
-            :func:`chunk_indices`).
+        ValueError: no ``[batch, seq]`` tensor, ``seq`` not divisible (see
+            :func:`chunk_indices`), or packed rows with ``load_balance``
+            (torch's ring, which takes no document mask).
     """
     reference = batch.get("input_ids")
     if reference is None:
@@ -117,6 +118,12 @@ def shard_sequence(
     if out.get("position_ids") is None:
         out["position_ids"] = default_position_ids(rows, seq, reference.device)
     position_ids = out["position_ids"].expand(rows, seq)
+    if load_balance and is_packed(position_ids):
+        raise ValueError(
+            "packed rows (position_ids restart inside a row) with context_parallel_backend="
+            "'ring': torch's ring attention takes no mask, so documents would attend to each "
+            "other; use 'ulysses'"
+        )
     for key in SHIFTED_KEYS:
         if out.get(key) is not None:
             out[key] = shift_labels(out[key], position_ids)

@@ -21,8 +21,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ray_fsdp_backend.context_parallel.attention import document_causal_mask, masked_attention
-from ray_fsdp_backend.context_parallel.sequence import default_position_ids
+from ray_fsdp_backend.context_parallel.attention import (
+    DocumentSpans,
+    document_attention,
+    document_spans,
+)
 
 
 def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -99,34 +102,30 @@ class UlyssesAttention:
     A per-head ``sinks`` tensor covers the whole model's heads; each rank
     takes the slice of the heads it holds after the exchange.
 
-    One instance serves every layer of a model: it keeps the gathered
-    positions and each window's mask of the forward in flight, keyed on the
-    local ``position_ids`` tensor *and its version counter*, so the gather and
-    the mask (with its one host check: packed or not) run once per forward,
-    not once per layer, and a buffer refilled in place for the next batch
-    (which bumps the counter) gets a new mask. An inference tensor has no
-    counter: its mask is rebuilt every call.
+    The whole rows' documents are found from the gathered positions
+    (:func:`~ray_fsdp_backend.context_parallel.attention.document_spans`):
+    ``seq`` integers gathered and a list of spans, never a ``seq x seq``
+    mask. One instance serves every layer of a model: it keeps the spans of
+    the forward in flight, keyed on the local ``position_ids`` tensor *and
+    its version counter*, so the gather and its one host transfer run once
+    per forward, not once per layer, and a buffer refilled in place for the
+    next batch (which bumps the counter) gets new spans. An inference tensor
+    has no counter: its spans are found again every call.
     """
 
     def __init__(self, group) -> None:
         self.group = group
         self._key: tuple[torch.Tensor, int | None] | None = None
-        self._full: torch.Tensor | None = None  # the whole rows' positions
-        self._masks: dict[int | None, torch.Tensor | None] = {}
+        self._spans: DocumentSpans | None = None
 
-    def document_mask(
-        self, local: torch.Tensor, rows: int, window: int | None = None
-    ) -> torch.Tensor | None:
-        """The whole rows' causal document mask, limited to ``window`` when
-        given (None: one document per row and no window)."""
+    def document_spans(self, local: torch.Tensor, rows: int) -> DocumentSpans | None:
+        """The whole rows' documents (None: one document per row)."""
         version = tensor_version(local)
         same = self._key is not None and self._key[0] is local and self._key[1] == version
         if version is None or not same:
-            self._key, self._masks = (local, version), {}
-            self._full = gather_sequence(local, self.group).expand(rows, -1)
-        if window not in self._masks:
-            self._masks[window] = document_causal_mask(self._full, window)
-        return self._masks[window]
+            self._key = (local, version)
+            self._spans = document_spans(gather_sequence(local, self.group), rows)
+        return self._spans
 
     def __call__(
         self,
@@ -148,12 +147,16 @@ class UlyssesAttention:
         if sinks is not None:
             sinks = sinks.chunk(cp)[dist.get_rank(self.group)]
         q, k, v = (sequence_to_heads(t, self.group) for t in (q, k, v))
-        if position_ids is None:
-            position_ids = default_position_ids(1, q.shape[2], q.device)
-            mask = document_causal_mask(position_ids.expand(q.shape[0], -1), window)
-        else:
-            mask = self.document_mask(position_ids, q.shape[0], window)
-        out = masked_attention(
-            q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks, dropout=dropout
+        spans = None if position_ids is None else self.document_spans(position_ids, q.shape[0])
+        out = document_attention(
+            q,
+            k,
+            v,
+            spans,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            dropout=dropout,
         )
         return heads_to_sequence(out, self.group)

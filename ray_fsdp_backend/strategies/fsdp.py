@@ -286,15 +286,20 @@ class FSDPStrategy(DistributionStrategy):
         """Swap ``model``'s attention for Ulysses or ring over the mesh's cp
         axis (the backend resolved from its heads and the device, kept in
         ``cp_backend``)."""
-        self.check_context_parallel(model)
-        apply_context_parallel(model, self.mesh[CP_AXIS].get_group(), self.cp_backend)
+        dtype = self.check_context_parallel(model)
+        apply_context_parallel(model, self.mesh[CP_AXIS].get_group(), self.cp_backend, dtype)
 
-    def check_context_parallel(self, model: nn.Module) -> None:
+    def check_context_parallel(self, model: nn.Module) -> torch.dtype | None:
         """Resolve the cp backend for ``model``'s heads and device (kept in
-        ``cp_backend``) and refuse what it cannot compute."""
+        ``cp_backend``) and refuse what it cannot compute in the dtype the
+        attention computes in (bf16 under mixed precision, else the
+        parameters'), which it returns."""
         heads = attention_heads(model)
         self.cp_backend = self.config.resolve_cp_backend(heads, self.device.type)
-        check_context_parallel(model, self.cp_backend)
+        floating = (p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = torch.bfloat16 if self.config.use_mixed_precision else next(floating, None)
+        check_context_parallel(model, self.cp_backend, dtype)
+        return dtype
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Accumulation micro-batches. By default gradients are reduce-scattered

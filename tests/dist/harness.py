@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args):
+def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo"):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -39,7 +39,7 @@ def _entry(rank, world_size, port, out_dir, fn, args):
     )
     torch.manual_seed(0)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
     )
     try:
         result = fn(rank, world_size, *args)
@@ -61,13 +61,14 @@ def _entry(rank, world_size, port, out_dir, fn, args):
     os._exit(0)
 
 
-def run_ranks(fn, world_size: int, *args):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks."""
+def run_ranks(fn, world_size: int, *args, backend: str = "gloo"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a
+    ``backend`` process group (gloo; ``"cpu:gloo,cuda:nccl"`` for GPU tests)."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
                 _entry,
-                args=(world_size, free_port(), out_dir, fn, args),
+                args=(world_size, free_port(), out_dir, fn, args, backend),
                 nprocs=world_size,
                 join=True,
                 start_method="spawn",

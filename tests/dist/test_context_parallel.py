@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.long_context import LargestTensor
 from ray_fsdp_backend import TrainContext
 from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.checkpoint.sharded import load_sharded, save_sharded
@@ -29,9 +30,12 @@ from ray_fsdp_backend.context_parallel import (
     shard_sequence,
     shift_labels,
 )
+from ray_fsdp_backend.context_parallel.attention import document_attention, document_spans
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
+from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention, gather_sequence
 from ray_fsdp_backend.hf.models import build_causal_lm
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from tests.dense_attention import document_causal_mask
 from tests.dist.harness import run_ranks, train_step
 
 SEQ = 32
@@ -242,6 +246,59 @@ def _activation_ratio(rank, world) -> float:
     return part / whole
 
 
+LONG = 8192
+
+
+def _long_qkv(heads: int = 2, kv_heads: int = 1, dim: int = 8):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, heads, LONG, dim, generator=g)
+    k, v = (torch.randn(1, kv_heads, LONG, dim, generator=g) for _ in range(2))
+    return q, k, v, torch.randn(1, heads, LONG, dim, generator=g)
+
+
+def _long_positions() -> torch.Tensor:
+    """One packed row of LONG tokens: 200 to 3000-token documents."""
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(200, 3000, (12,), generator=g).tolist()
+    return pack_documents([torch.zeros(n) for n in lengths], LONG, rows=1)["position_ids"]
+
+
+def _long_attention(rank, world, options: dict) -> tuple[int, int, float]:
+    """Attention of one packed 8k-token row (grouped-query heads), forward
+    and backward, watched: Ulysses under cp ``world`` and one process (the
+    kernel the project's decoder runs without cp; its equality with the
+    dense mask is tests/unit/test_cp_attention_args.py's). Returns the
+    largest tensor's elements in each and the outputs' and gradients' max
+    difference."""
+    positions = _long_positions()
+    q, k, v, weight = _long_qkv()
+    ulysses = UlyssesAttention(dist.group.WORLD)
+    local = [t.chunk(world, dim=2)[rank].clone().requires_grad_() for t in (q, k, v)]
+    with LargestTensor() as watch:
+        out = ulysses(*local, position_ids=positions.chunk(world, dim=1)[rank], **options)
+        (out * weight.chunk(world, dim=2)[rank]).sum().backward()
+    one = [t.clone().requires_grad_() for t in (q, k, v)]
+    with LargestTensor() as watch_one:
+        ref = document_attention(*one, document_spans(positions, 1), **options)
+        (ref * weight).sum().backward()
+    diffs = [float((out.detach() - ref.detach().chunk(world, dim=2)[rank]).abs().max())]
+    for mine, whole in zip(local, one, strict=True):
+        diffs.append(float((mine.grad - whole.grad.chunk(world, dim=2)[rank]).abs().max()))
+    return watch.largest, watch_one.largest, max(diffs)
+
+
+def _old_mask_elements(rank, world) -> int:
+    """What the watch sees of the dense mask the kernel replaced (built
+    from the gathered positions, as Ulysses did)."""
+    local = _long_positions().chunk(world, dim=1)[rank]
+    with LargestTensor() as old:
+        document_causal_mask(gather_sequence(local, dist.group.WORLD))
+    return old.largest
+
+
+LONG_CASES = {"documents": {}, "window": {"window": 1000}}
+
+
 def _all_checks(rank, world, root):
     results = {}
     for kv_heads in (2, 1):  # 1 kv head < cp 2: repeated before the exchange
@@ -251,6 +308,9 @@ def _all_checks(rank, world, root):
         results[("hf", packed)] = _hf_parity(rank, world, packed)
     results["activations"] = _activation_ratio(rank, world)
     results["reshard"] = _reshard_cp2_to_cp1(rank, world, root)
+    for name, options in LONG_CASES.items():
+        results[("long", name)] = _long_attention(rank, world, options)
+    results["old_mask"] = _old_mask_elements(rank, world)
     return results
 
 
@@ -297,6 +357,20 @@ def test_checkpoint_saved_at_cp2_restores_at_cp1(results):
     (loss_cp2, norm_cp2), (loss_cp1, norm_cp1) = results["reshard"]
     assert loss_cp1 == pytest.approx(loss_cp2, rel=1e-5)
     assert norm_cp1 == pytest.approx(norm_cp2, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", list(LONG_CASES))
+def test_packed_8k_rows_under_cp2_allocate_no_seq_by_seq_tensor(results, case):
+    """No op of the attention's forward or backward returns more than O(S)
+    elements (S = 8192; a window of 1000: its 1000 x 1999 chunk masks) for
+    packed rows, sliding window or not, under Ulysses cp 2 or in one
+    process; the watch does see the S x S mask the kernel replaced; the
+    numbers equal one process's."""
+    largest, largest_one, diff = results[("long", case)]
+    assert largest <= 256 * LONG, largest
+    assert largest_one <= 256 * LONG, largest_one
+    assert results["old_mask"] >= LONG * LONG  # the old builder fails this test
+    assert diff < 1e-5
 
 
 def test_saved_activations_fall_with_cp(results):

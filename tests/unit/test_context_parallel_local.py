@@ -228,3 +228,20 @@ def test_torch_still_has_what_ring_region_calls():
     assert callable(cp_impl._enable_context_parallel_dispatcher_impl)
     assert callable(cp_impl._disable_context_parallel_dispatcher_impl)
     assert isinstance(cp_impl._cp_options.enable_load_balance, bool)
+
+
+def test_ring_refuses_float32_grouped_query_heads_and_packed_rows_by_name():
+    from ray_fsdp_backend.context_parallel.apply import check_context_parallel
+
+    grouped = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, seq_len=8))
+    rule = "ring.*Attention with grouped-query heads \\(4 query, 2 key/value\\) in float32"
+    with pytest.raises(ValueError, match=rule):
+        check_context_parallel(grouped, "ring", torch.float32)
+    assert check_context_parallel(grouped, "ring", torch.bfloat16).value == "ring"
+    assert check_context_parallel(grouped, "ulysses", torch.float32).value == "ulysses"
+    full = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, seq_len=8))
+    assert check_context_parallel(full, "ring", torch.float32).value == "ring"
+    rows = pack_documents(_docs([3, 9, 4]), seq_len=8)
+    with pytest.raises(ValueError, match="packed rows .*context_parallel_backend='ring'"):
+        shard_sequence(rows, 0, 2, load_balance=True)
+    assert shard_sequence(rows, 0, 2)["input_ids"].shape == (2, 4)  # Ulysses takes them

@@ -2,8 +2,9 @@
 5.23 passes an attention function, checked against transformers' own eager
 functions and masks on one process: sliding windows (with and without packed
 documents), Gemma 2's soft-cap, gpt-oss's sinks, scaling and dropout; the
-Ulysses kernel refuses by name what it does not compute; its mask cache
-follows an in-place refill of the positions buffer."""
+per-document kernel (no ``seq x seq`` mask) equals the dense masked one it
+replaced; the Ulysses kernel refuses by name what it does not compute; its
+span cache follows an in-place refill of the positions buffer."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ from torch import nn
 
 from ray_fsdp_backend.context_parallel import pack_documents
 from ray_fsdp_backend.context_parallel.apply import hf_ulysses_attention
-from ray_fsdp_backend.context_parallel.attention import document_causal_mask, masked_attention
+from ray_fsdp_backend.context_parallel.attention import (
+    document_attention,
+    document_spans,
+    warn_math_once,
+)
 from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention
+from tests.dense_attention import dense_attention, document_causal_mask
 
 pytest.importorskip("transformers")
 
@@ -40,6 +46,50 @@ def _module(**attrs) -> nn.Module:
     for name, value in attrs.items():
         setattr(module, name, value)
     return module
+
+
+def test_spans_group_rows_by_their_documents():
+    positions = _packed_positions()  # row 0: 5, 13, 9, 5 tokens; row 1: 15, 17
+    assert document_spans(positions, 2) == [
+        ([0], [(0, 5), (5, 18), (18, 27), (27, 32)]),
+        ([1], [(0, 15), (15, 32)]),
+    ]
+    one_row = positions[:1]  # [1, seq] positions broadcast over 3 rows
+    assert document_spans(one_row, 3) == [([0, 1, 2], document_spans(one_row, 1)[0][1])]
+    assert document_spans(torch.arange(SEQ).expand(2, SEQ), 2) is None
+
+
+CASES = [
+    dict(window=None),
+    dict(window=8),
+    dict(window=5, scale=0.3),  # windows that do not divide the documents
+    dict(window=8, softcap=2.0),
+    dict(sinks=torch.randn(HEADS, generator=torch.Generator().manual_seed(2))),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True, "one_row"])
+@pytest.mark.parametrize("options", CASES, ids=["causal", "window", "window5", "softcap", "sinks"])
+def test_per_document_kernel_equals_the_dense_mask(packed, options):
+    """Outputs and gradients of the per-document kernel against SDPA (or the
+    explicit form) under the dense [b, 1, S, S] mask, grouped-query heads."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    positions = _packed_positions() if packed else torch.arange(SEQ).expand(2, SEQ)
+    if packed == "one_row":
+        positions = positions[:1]
+    window = options.get("window")
+    mask = document_causal_mask(positions.expand(2, SEQ), window)
+    theirs = dense_attention(q, k, v, mask, **{k: v for k, v in options.items() if k != "window"})
+    ours = document_attention(q, k, v, document_spans(positions, 2), **options)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(theirs.square().sum(), (q, k, v))
+    for mine, ref in zip(torch.autograd.grad(ours.square().sum(), (q, k, v)), grads, strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_math_kernel_warning_is_for_half_precision_cuda_runs_only():
+    q = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
+    assert not warn_math_once(q, "softcap")  # CPU: flash or math is the run's own choice
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
@@ -73,9 +123,10 @@ def test_softcap_window_and_scaling_equal_gemma2_eager():
     theirs, _ = eager_attention_forward(
         module, q, k, v, _additive(mask), dropout=0.0, scaling=0.3, softcap=2.0
     )
-    ours = masked_attention(q, k, v, mask, scale=0.3, softcap=2.0)
+    spans = document_spans(_packed_positions(), 2)
+    ours = document_attention(q, k, v, spans, scale=0.3, window=8, softcap=2.0)
     torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=1e-6, atol=1e-6)
-    plain = masked_attention(q, k, v, mask, scale=0.3)
+    plain = document_attention(q, k, v, spans, scale=0.3, window=8)
     assert (plain - ours).abs().max() > 1e-2  # the cap changes the numbers
 
 
@@ -87,7 +138,9 @@ def test_sinks_equal_gpt_oss_eager():
     mask = document_causal_mask(_packed_positions())
     module = _module(training=False, sinks=sinks)
     theirs, _ = eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.35)
-    ours = masked_attention(q, k, v, mask, scale=0.35, sinks=sinks)
+    ours = document_attention(
+        q, k, v, document_spans(_packed_positions(), 2), scale=0.35, sinks=sinks
+    )
     torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=1e-5, atol=1e-6)
 
 
@@ -102,9 +155,10 @@ def test_dropout_draws_as_transformers_eager_does():
         module, q, k, v, _additive(mask), dropout=0.5, scaling=0.3, softcap=2.0
     )
     torch.manual_seed(3)
-    ours = masked_attention(q, k, v, mask, scale=0.3, softcap=2.0, dropout=0.5)
+    options = dict(scale=0.3, window=8, softcap=2.0)
+    ours = document_attention(q, k, v, None, dropout=0.5, **options)
     torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=1e-6, atol=1e-6)
-    assert (ours - masked_attention(q, k, v, mask, scale=0.3, softcap=2.0)).abs().max() > 1e-2
+    assert (ours - document_attention(q, k, v, None, **options)).abs().max() > 1e-2
 
 
 @pytest.fixture
@@ -114,16 +168,14 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def test_mask_cache_follows_a_buffer_refilled_in_place(one_rank):
+def test_span_cache_follows_a_buffer_refilled_in_place(one_rank):
     ulysses = UlyssesAttention(one_rank)
     buffer = torch.arange(SEQ).expand(2, SEQ).contiguous()
-    assert ulysses.document_mask(buffer, 2) is None  # one document per row
-    assert ulysses.document_mask(buffer, 2, window=8) is not None
+    assert ulysses.document_spans(buffer, 2) is None  # one document per row
     buffer.copy_(_packed_positions())  # the next batch, same tensor
-    assert torch.equal(ulysses.document_mask(buffer, 2), document_causal_mask(buffer))
-    windowed = ulysses.document_mask(buffer, 2, window=8)
-    assert torch.equal(windowed, document_causal_mask(buffer, window=8))
-    assert ulysses.document_mask(buffer, 2, window=8) is windowed  # cached within a batch
+    spans = ulysses.document_spans(buffer, 2)
+    assert spans == document_spans(buffer, 2) and spans is not None
+    assert ulysses.document_spans(buffer, 2) is spans  # found once per batch
 
 
 def test_ulysses_refuses_by_name_what_it_does_not_compute(one_rank):
