@@ -23,7 +23,7 @@ from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_shard
 from ray_fsdp_backend.hf import export_model
 from ray_fsdp_backend.hf.models import build_causal_lm
 from tests.dist.harness import run_ranks
-from tests.dist.test_expert_parallel import VOCAB, ep_strategy, save_moe
+from tests.dist.test_expert_parallel import VOCAB, Case, ep_strategy, save_moe
 from tests.dist.test_tensor_parallel_checkpoint import _full_state
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +38,8 @@ LAYOUTS = {  # name: (expert_parallel_size, hsdp replicate size)
 
 
 def _wrap(rank, name, path):
-    strategy, layout, _ = ep_strategy(rank, *LAYOUTS[name])
+    ep, replicate = LAYOUTS[name]
+    strategy, layout, _ = ep_strategy(rank, Case("layout only", ep, replicate))
     model = strategy.wrap(build_causal_lm(path))
     torch.manual_seed(100 + len(name))  # a different start each time: the load overwrites it
     for p in model.parameters():
