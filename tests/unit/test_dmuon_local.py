@@ -55,6 +55,7 @@ def test_equals_torch_muon_plus_adamw_bitwise(nesterov, adjust):
         betas=(0.9, 0.95),
         eps=1e-8,
         weight_decay=0.01,
+        fused=True,
     )
     step_both(model, ref, [opt, muon, adamw])
     for (name, got), want in zip(model.named_parameters(), ref.parameters(), strict=True):
