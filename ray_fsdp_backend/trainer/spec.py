@@ -25,12 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from ray_fsdp_backend.backend import FSDPConfig
-from ray_fsdp_backend.config import unknown_key_message
+from ray_fsdp_backend.config import parse_yaml, unknown_key_message
 from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
 from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.trainer.preflight import storage_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
 
 OPTIMIZERS = ("adamw", "muon")
@@ -168,7 +167,7 @@ class RunSpec:
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     with open(path) as f:
-        doc = yaml.safe_load(f) or {}
+        doc = parse_yaml(f) or {}
     if not isinstance(doc, dict):
         raise ValueError(f"{os.fspath(path)}: top level must be a mapping of sections")
     return doc
@@ -191,7 +190,7 @@ def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             if not isinstance(child, dict):
                 raise ValueError(f"--set {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(text)
+        node[parts[-1]] = parse_yaml(text)
     return out
 
 
@@ -391,6 +390,8 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         errors += model.check()  # the checkpoint exists, LoRA targets match: before Ray starts
     if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
         errors.append("model.pretrained trains on data.source='corpus' (its tokenizer's ids)")
+    if built.get("run") is not None:
+        errors += storage_errors(built["run"].storage_path)
     if data is not None and data.source == "ray_data" and data.path is None:
         errors.append("data.source='ray_data' needs data.path (files or a directory of text)")
     if data is not None and data.source == "corpus" and data.path is not None:
@@ -507,7 +508,10 @@ def _group_errors(dist, scaling: ScalingOptions | None) -> list[str]:
     """A worker range with no count that holds whole tp x cp groups."""
     if dist is None or scaling is None:
         return []
-    message = describe_group_sizes(*worker_range(scaling.num_workers), model_group(dist))
+    tp, cp = dist.tensor_parallel_size, dist.context_parallel_size
+    sizes = [f"tensor_parallel_size={tp}"] * (tp > 1) + [f"context_parallel_size={cp}"] * (cp > 1)
+    label = "distributed." + " x ".join(sizes) if sizes else None
+    message = describe_group_sizes(*worker_range(scaling.num_workers), model_group(dist), label)
     return [message] if message else []
 
 
