@@ -138,11 +138,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, model=model_config_from_hf(args.hf_config, spec))
         with open(args.hf_config) as f:
             moe = moe_model_from_hf(json.load(f))
+    errors = plan_layout_errors(spec, [args.gpus_per_node] * args.nodes, moe)
+    if errors:
+        raise ValueError("invalid layout for this model:\n  " + "\n  ".join(errors))
     print(format_plan(spec, args.nodes, args.gpus_per_node, moe))
     low, high = worker_range(spec.scaling.num_workers)
     if low != high:
         print(format_elastic_plan(spec, args.gpus_per_node, moe))
     return 0
+
+
+def plan_layout_errors(spec: RunSpec, node_counts: list[int], moe) -> list[str]:
+    """The static check's model rules again on ``plan``'s own nodes, and an
+    ``--hf-config`` MoE's expert count against ``expert_parallel_size``."""
+    ep = spec.distributed.expert_parallel_size
+    if moe is not None and moe.experts.num_experts % ep:
+        return [
+            f"distributed.expert_parallel_size={ep} does not divide the "
+            f"{moe.experts.num_experts} experts of every MoE layer (--hf-config): "
+            f"every ep rank holds the same number of experts"
+        ]
+    if not isinstance(spec.model, PretrainedModelConfig):
+        return []
+    from ray_fsdp_backend.hf.layout_check import pretrained_layout_errors
+
+    return pretrained_layout_errors(spec.model, spec.distributed, [list(node_counts)])
 
 
 # -- train --------------------------------------------------------------------

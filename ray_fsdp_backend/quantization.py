@@ -79,6 +79,18 @@ def check_nf4_shards(targets: list[Target]) -> None:
         ValueError: naming every such weight, its shape, the shard's shape
             and what does not divide.
     """
+    bad = nf4_shard_problems(targets)
+    if bad:
+        raise ValueError(
+            f"quantize='nf4' cannot quantise {len(bad)} weights shard by shard: "
+            + "; ".join(bad)
+            + " (choose dimensions or a shard count that divide them)"
+        )
+
+
+def nf4_shard_problems(targets: list[Target]) -> list[str]:
+    """One line per target :func:`check_nf4_shards` refuses, naming its shape
+    and what does not divide (PURE; the static check prints them one a line)."""
     bad = []
     for t in targets:
         numel = 1
@@ -92,12 +104,7 @@ def check_nf4_shards(targets: list[Target]) -> None:
                 f"not a multiple of block {BLOCK} x scaler block {SCALER_BLOCK} "
                 f"= {SHARD_MULTIPLE}"
             )
-    if bad:
-        raise ValueError(
-            f"quantize='nf4' cannot quantise {len(bad)} weights shard by shard: "
-            + "; ".join(bad)
-            + " (choose dimensions or a shard count that divide them)"
-        )
+    return bad
 
 
 def check_fsdp_managed(model: nn.Module, targets: list[Target]) -> None:

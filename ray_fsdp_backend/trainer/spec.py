@@ -387,7 +387,9 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
     if isinstance(model, PretrainedModelConfig):
-        errors += model.check()  # the checkpoint exists, LoRA targets match: before Ray starts
+        # the checkpoint exists, LoRA targets match, its shapes fit the layout: before Ray starts
+        found = model.check()
+        errors += found or _pretrained_layout_errors(model, dist, built.get("scaling"))
     if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
         errors.append("model.pretrained trains on data.source='corpus' (its tokenizer's ids)")
     if built.get("run") is not None:
@@ -398,6 +400,17 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         if "://" not in data.path and not os.path.isfile(data.path):
             errors.append(f"data.path={data.path!r} is not a file")
     return errors
+
+
+def _pretrained_layout_errors(model, dist, scaling) -> list[str]:
+    """The checkpoint's shapes against the layout at the smallest and largest
+    worker count, on one node (``plan`` checks its own nodes)."""
+    if dist is None or scaling is None:
+        return []
+    from ray_fsdp_backend.hf.layout_check import pretrained_layout_errors
+
+    low, high = worker_range(scaling.num_workers)
+    return pretrained_layout_errors(model, dist, [[n] for n in sorted({low, high})])
 
 
 def _context_parallel_errors(dist, model, data, scaling) -> list[str]:
