@@ -46,8 +46,9 @@ def configs(tmp_path_factory) -> dict[str, str]:
         out[kind] = str(root / kind)
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=3, num_key_value_heads=3).save_pretrained(root / "odd")  # fmt: skip
+    odd = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=3, num_key_value_heads=3)  # fmt: skip
+    odd.save_pretrained(root / "odd")
     out["odd"] = str(root / "odd")
     return out
 
