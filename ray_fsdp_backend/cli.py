@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from ray_fsdp_backend.elastic import worker_range
 from ray_fsdp_backend.expert_plan import moe_model_from_hf
 from ray_fsdp_backend.plan_report import format_elastic_plan, format_plan, model_config_from_hf
+from ray_fsdp_backend.quantization import keep_torchao_unimported
 from ray_fsdp_backend.trainer.preflight import cluster_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.spec import (
@@ -41,6 +42,8 @@ EXIT_INTERRUPTED = 130
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # this process is the command: the driver never quantises (workers may)
+        keep_torchao_unimported()
     try:
         return args.handler(args)
     except (ValueError, OSError) as exc:

@@ -193,3 +193,33 @@ def test_a_gpu_config_on_a_cluster_without_gpus_names_the_keys():
     auto = build_spec(apply_overrides(load_yaml(EXAMPLES / "cpu_tiny.yaml"),
                                       ["scaling.use_gpu=auto"]))  # fmt: skip
     assert cluster_errors(auto.scaling, {"CPU": 3.0}) == []
+
+
+def test_torchao_is_imported_only_by_a_quantising_run(configs):
+    """The driver (``ray-fsdp`` as a command) and a worker of a run without
+    ``base_quantization`` build transformers models without importing
+    torchao (13 console lines a process); a QLoRA worker still can."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from ray_fsdp_backend.cli import main
+sys.argv = ["ray-fsdp", "validate", {str(EXAMPLES / "finetune_hf.yaml")!r},
+            "--set", "model.pretrained={configs["llama"]}", "--set", "model.export=null"]
+assert main() == 0
+assert sys.modules.get("torchao") is None, "the driver imported torchao"
+from ray_fsdp_backend.trainer.train import quantizes
+assert not quantizes({{"model": {{"lora": {{"r": 8}}}}}})
+assert quantizes({{"model": {{"lora": {{"base_quantization": "nf4"}}}}}})
+print("--- quantising", file=sys.stderr, flush=True)
+del sys.modules["torchao"]  # a process that quantises imports it on use
+from ray_fsdp_backend.quantization import _packed_nf4_class
+_packed_nf4_class()
+assert sys.modules.get("torchao") is not None
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    before = out.stderr.split("--- quantising")[0]
+    assert "Failed to load" not in before, before[-2000:]
