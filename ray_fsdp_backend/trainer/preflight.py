@@ -34,11 +34,10 @@ def storage_errors(path: str | None, key: str = KEY) -> list[str]:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return [f"{key}={path!r}: {existing} is a file, not a directory"]
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == full else f"cannot be created ({existing} is "
-        what += "" if existing == full else "not writable)"
-        return [f"{key}={path!r} {what}: choose a directory you can write to"]
-    return []
+    if os.access(existing, os.W_OK | os.X_OK):
+        return []
+    what = "is not writable" if existing == full else f"cannot be created ({existing} is not)"
+    return [f"{key}={path!r} {what}: choose a directory you can write to"]
 
 
 def _object_store_errors(uri: str, key: str) -> list[str]:
