@@ -95,7 +95,7 @@ def assert_console_is_the_readmes(log: str) -> None:
     optional = [re.compile(p) for p in expected_console_lines()]
 
     def shown(lines):
-        lines = [re.sub(r" \| MFU [^|]*", "", ln) for ln in lines if ln.strip()]
+        lines = [re.sub(r"MFU [^|]*\| ", "", ln) for ln in lines if ln.strip()]
         return [ln for ln in lines if not ln.startswith("tensorboard:")
                 and not any(p.search(ln) for p in optional)]  # fmt: skip
 
