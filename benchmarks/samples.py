@@ -38,9 +38,9 @@ def run_quickstart() -> str:
         out = subprocess.run(
             [sys.executable, "-m", "ray_fsdp_backend.cli", "train", "examples/cpu_tiny.yaml",
              "--set", f"run.storage_path={storage}", "--set", "run.name=cpu_tiny-20261205-120000"],
-            cwd=REPO, env=env, capture_output=True, text=True,
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        text = out.stdout + out.stderr
+        text = out.stdout  # interleaved as a terminal shows them
         if out.returncode:
             raise SystemExit(f"the quick start failed:\n{text[-4000:]}")
         return "\n".join(_RAY_PREFIX.sub("", line) for line in text.splitlines()).replace(
@@ -48,17 +48,49 @@ def run_quickstart() -> str:
         )
 
 
+_PROGRESS = re.compile(r"step +\d+/\d+ \|")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def samples(console: str) -> dict[str, str]:
-    """Each sample block's text, from the quick start's console."""
-    lines = console.splitlines()
-    progress = [line for line in lines if re.match(r"step +\d+/\d+ \|", line)]
+    """Each sample block's text, from the quick start's console: the whole
+    console, its progress lines between step 10 and the last as ``...``."""
+    lines = [_ANSI.sub("", line) for line in console.splitlines() if line.strip()]
+    progress = [line for line in lines if _PROGRESS.match(line)]
     step10 = next(line for line in progress if re.match(r"step +10/", line))
-    summary_start = next(i for i, line in enumerate(lines) if re.match(r"loss \S+ \(step", line))
-    summary = [line for line in lines[summary_start:] if re.match(r"[a-z ]+: +\S", line)]
-    return {
-        "quickstart": "\n".join([step10, "...", progress[-1], lines[summary_start], *summary]),
-        "progress": step10,
-    }
+    return {"quickstart": "\n".join(collapse_progress(lines)), "progress": step10}
+
+
+def collapse_progress(lines: list[str]) -> list[str]:
+    """``lines`` with the progress lines after step 10 but the last one
+    replaced by one ``...`` line."""
+    progress = [i for i, line in enumerate(lines) if _PROGRESS.match(line)]
+    if len(progress) < 3:
+        return lines
+    first = next((i for i in progress if re.match(r"step +10/", lines[i])), progress[0])
+    hidden = [i for i in progress if first < i < progress[-1]]
+    if not hidden:
+        return lines
+    keep = [line for i, line in enumerate(lines) if i not in hidden or i == hidden[0]]
+    keep[keep.index(lines[hidden[0]])] = "..."
+    return keep
+
+
+def console_shape(lines: list[str]) -> list[str]:
+    """Each line with what changes from run to run made a placeholder:
+    numbers (losses, rates, times, pids, ports), hex ids and the run's paths."""
+    shape = []
+    for line in lines:
+        line = re.sub(r"(/[\w.-]+)+", "PATH", _ANSI.sub("", line))
+        line = re.sub(r"\b[0-9a-f]{8,}\b", "ID", line)
+        shape.append(" ".join(re.sub(r"\d[\d,.:e+-]*", "N", line).split()))
+    return shape
+
+
+def quickstart_sample(text: str) -> list[str]:
+    """The README's quick start console, line by line."""
+    body = next(m.group(3) for m in _BLOCK.finditer(text) if m.group(2) == "quickstart")
+    return body.splitlines()
 
 
 def rewrite(text: str, blocks: dict[str, str]) -> str:

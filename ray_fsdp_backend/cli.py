@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from ray_fsdp_backend.elastic import worker_range
 from ray_fsdp_backend.expert_plan import moe_model_from_hf
 from ray_fsdp_backend.plan_report import format_elastic_plan, format_plan, model_config_from_hf
+from ray_fsdp_backend.quantization import keep_torchao_unimported
+from ray_fsdp_backend.trainer.preflight import cluster_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.spec import (
     RunSpec,
@@ -35,15 +37,23 @@ from ray_fsdp_backend.trainer.spec import (
 )
 
 EXIT_INVALID = 2
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # this process is the command: the driver never quantises (workers may)
+        keep_torchao_unimported()
     try:
         return args.handler(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except KeyboardInterrupt:
+        print(
+            "interrupted: the run and the local Ray cluster it started are stopped", file=sys.stderr
+        )
+        return EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,11 +141,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, model=model_config_from_hf(args.hf_config, spec))
         with open(args.hf_config) as f:
             moe = moe_model_from_hf(json.load(f))
+    errors = plan_layout_errors(spec, [args.gpus_per_node] * args.nodes, moe)
+    if errors:
+        raise ValueError("invalid layout for this model:\n  " + "\n  ".join(errors))
     print(format_plan(spec, args.nodes, args.gpus_per_node, moe))
     low, high = worker_range(spec.scaling.num_workers)
     if low != high:
         print(format_elastic_plan(spec, args.gpus_per_node, moe))
     return 0
+
+
+def plan_layout_errors(spec: RunSpec, node_counts: list[int], moe) -> list[str]:
+    """The static check's model rules again on ``plan``'s own nodes, and an
+    ``--hf-config`` MoE's expert count against ``expert_parallel_size``."""
+    ep = spec.distributed.expert_parallel_size
+    if moe is not None and moe.experts.num_experts % ep:
+        return [
+            f"distributed.expert_parallel_size={ep} does not divide the "
+            f"{moe.experts.num_experts} experts of every MoE layer (--hf-config): "
+            f"every ep rank holds the same number of experts"
+        ]
+    if not isinstance(spec.model, PretrainedModelConfig):
+        return []
+    from ray_fsdp_backend.hf.layout_check import pretrained_layout_errors
+
+    return pretrained_layout_errors(spec.model, spec.distributed, [list(node_counts)])
 
 
 # -- train --------------------------------------------------------------------
@@ -177,14 +207,17 @@ def absolute_tensorboard_dir(doc: dict) -> dict:
 
 
 def run_training(spec: RunSpec, name: str):
-    """Fit the example model with a ``TorchTrainer``; returns the Ray ``Result``."""
+    """Fit the example model with a ``TorchTrainer``; returns the Ray ``Result``.
+
+    Before the trainer is built, the workers' resources are checked against
+    the cluster's (:func:`~ray_fsdp_backend.trainer.preflight.cluster_errors`):
+    a local cluster is refused with the keys to change, a joined one (whose
+    autoscaler may add nodes) is warned about. Ctrl-C stops the run and the
+    local cluster this started."""
+    quiet_driver_console(local=not os.environ.get("RAY_ADDRESS"))
     import ray
-    from ray.train import FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
 
-    from ray_fsdp_backend.data_config import MeshDataConfig
-    from ray_fsdp_backend.trainer.train import train_loop_per_worker
-
+    started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
@@ -193,7 +226,51 @@ def run_training(spec: RunSpec, name: str):
             # accident. Give it a CPU beyond the workers' (logical) so Ray Data
             # tasks can run beside them on a 2-core machine instead of waiting.
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, _worker_cpus(spec) + 1))
-    use_gpu = resolve_use_gpu(spec.scaling.use_gpu, ray.cluster_resources())
+    try:
+        return in_thread(_fit, spec, name, ray.cluster_resources(), refuse=started)
+    finally:
+        if started:  # on Ctrl-C too: the local cluster's processes go with it
+            ray.shutdown()
+
+
+def in_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a daemon thread, its result or exception
+    returned or raised here. Ctrl-C reaches this (main) thread at once:
+    ``TrainController`` installs no SIGINT handler off the main thread, whose
+    "graceful abort" (Ray 2.60) waits on a controller that may itself be
+    waiting for a worker group to start."""
+    import threading
+
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="ray-fsdp-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _fit(spec: RunSpec, name: str, resources: dict, *, refuse: bool):
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_fsdp_backend.data_config import MeshDataConfig
+    from ray_fsdp_backend.trainer.train import train_loop_per_worker
+
+    errors = cluster_errors(spec.scaling, resources)
+    if errors and refuse:
+        raise ValueError("the cluster cannot hold these workers:\n  " + "\n  ".join(errors))
+    for error in errors:
+        print(f"warning: {error} (waiting for the autoscaler)", file=sys.stderr)
+    use_gpu = resolve_use_gpu(spec.scaling.use_gpu, resources)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=spec.raw,
@@ -208,6 +285,24 @@ def run_training(spec: RunSpec, name: str):
         dataset_config=MeshDataConfig(),  # ray_data rows split by dp rank, not world rank
     )
     return trainer.fit()
+
+
+def quiet_driver_console(*, local: bool) -> None:
+    """Ray 2.60's switches for what the driver prints, set before Ray is
+    imported (they are read then) and only where the user set none: worker
+    lines without the ``(RayTrainWorker pid=...)`` prefix; on a local cluster
+    (no cloud to preempt it) no PreemptionWatcher, whose polling logs a
+    core_worker error line per run; on a joined cluster it stays on."""
+    os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # Ray imported already (by the spec): it read the variable then
+        constants.RAY_DISABLE_WORKER_LOG_PREFIX = os.environ["RAY_DISABLE_WORKER_LOG_PREFIX"] in (
+            "1",
+            "true",
+            "True",
+        )
+    if local:
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
 def scaling_config(spec: RunSpec, use_gpu: bool):

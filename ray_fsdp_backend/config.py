@@ -23,9 +23,12 @@ import dataclasses
 import difflib
 import enum
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import yaml
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -312,10 +315,8 @@ class FSDPSettings:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> FSDPSettings:
         """Build from the ``distributed:`` section of a training YAML file."""
-        import yaml
-
         with open(path) as f:
-            doc = yaml.safe_load(f) or {}
+            doc = parse_yaml(f) or {}
         if not isinstance(doc, Mapping) or "distributed" not in doc:
             raise ValueError(f"{os.fspath(path)}: no 'distributed:' section")
         return cls.from_dict(doc["distributed"] or {})
@@ -535,3 +536,20 @@ def unknown_key_message(key: str, known: list[str], section: str = "distributed"
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(known)}"
     return f"unknown {section} config key {key!r}{hint}"
+
+
+class NumberLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that also reads ``2e-3`` and ``1e4`` as numbers
+    (YAML 1.2 and every user do; PyYAML's 1.1 rules want ``2.0e-3``)."""
+
+
+NumberLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text) -> Any:
+    """A YAML document or value (a string or a file), numbers as users write them."""
+    return yaml.load(text, Loader=NumberLoader)  # noqa: S506 - a SafeLoader subclass

@@ -100,16 +100,22 @@ def _fits(world: int, global_batch_size: int | None, group: int) -> bool:
     return global_batch_size is None or global_batch_size % (world // group) == 0
 
 
-def describe_group_sizes(min_workers: int, max_workers: int, group: int) -> str | None:
+def describe_group_sizes(
+    min_workers: int, max_workers: int, group: int, label: str | None = None
+) -> str | None:
     """Why ``[min_workers, max_workers]`` cannot hold a whole model-parallel
-    group of ``group`` ranks, naming the counts that would; None when it can."""
+    group of ``group`` ranks, naming the counts that would; None when it can.
+    ``label`` names the settings that make the group (e.g.
+    ``distributed.tensor_parallel_size=4``), first in the message."""
     fits, _ = elastic_world_sizes(None, min_workers, max_workers, group)
     if fits:
         return None
     nearest = sorted({group * max(1, min_workers // group), group * -(-max_workers // group)})
+    workers = min_workers if min_workers == max_workers else [min_workers, max_workers]
+    what = f"{label} needs" if label else "a tensor x context parallel group needs"
     return (
-        f"scaling.num_workers=[{min_workers}, {max_workers}] holds no whole tensor x context "
-        f"parallel group of {group} ranks: worker counts must be multiples of {group} "
+        f"{what} {group} ranks per group, but scaling.num_workers={workers} holds no whole "
+        f"group: worker counts must be multiples of {group} "
         f"(e.g. {', '.join(map(str, nearest))})"
     )
 

@@ -261,6 +261,15 @@ def estimate_expert_traffic(
     )
 
 
+def format_count(n: int, digits: int = 1) -> str:
+    """A parameter count in millions (``25.8M``, ``70,553.7M``) as ``plan``
+    prints them, or whole below 0.1M, where millions would round to nothing
+    (``1,296``, never ``0.0M``)."""
+    if n < 100_000:
+        return f"{n:,}"
+    return f"{n / 1e6:,.{digits}f}M"
+
+
 def format_bytes(n: int) -> str:
     """``1536`` -> ``'1.5 KiB'``."""
     if n < 1024:

@@ -22,6 +22,7 @@ from ray_fsdp_backend.memory import (
     estimate_memory,
     estimate_tp_block_traffic,
     format_bytes,
+    format_count,
 )
 from ray_fsdp_backend.mesh import resolve_layout
 from ray_fsdp_backend.topology import (
@@ -287,8 +288,8 @@ def format_memory(spec: RunSpec, strategy, shard_size: int, tp: int = 1) -> list
     )
     split = f", split over tp={tp} x dp_shard={shard_size}" if tp > 1 else ""
     lines = [
-        f"model:    {size.num_params / 1e6:,.1f}M parameters ({model.n_layers} blocks of "
-        f"{model.block_params() / 1e6:,.2f}M), optimizer {spec.train.optimizer}",
+        f"model:    {format_count(size.num_params, 1)} parameters ({model.n_layers} blocks of "
+        f"{format_count(model.block_params(), 2)}), optimizer {spec.train.optimizer}",
         *_frozen_lines(model, size, shard_size * tp),
         f"per-GPU memory, model state only (activations below){split}:",
         f"  parameters  {format_bytes(est.params):>10}",
@@ -335,12 +336,12 @@ def format_moe_memory(spec: RunSpec, moe: MoEModel, strategy, layout, micro: int
 
 def format_activations(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list[str]:
     """Activation memory per rank for one micro-batch of ``micro_batch``
-    rows (the one the batch line prints) of the byte-level decoder (a
-    pretrained model's shape is read only on the workers)."""
+    rows (the one the batch line prints): the byte-level decoder's, or a
+    pretrained model's from its ``config.json`` (width, heads, vocabulary)."""
     model, cfg = spec.model, spec.distributed
-    if not isinstance(model, ModelConfig):
-        return []
     shape = model.activation_shape(micro_batch)
+    if shape is None:
+        return []
     value_bytes = 2 if cfg.use_mixed_precision else 4
     kwargs = dict(
         cp=cp,
@@ -392,9 +393,9 @@ def _frozen_lines(model, size: ModelSize, shard_size: int) -> list[str]:
         return []
     base = model.frozen_dtype_bytes * size.frozen_params
     return [
-        f"lora:     frozen base {size.frozen_params / 1e6:,.1f}M ({model.base_label}, "
+        f"lora:     frozen base {format_count(size.frozen_params, 1)} ({model.base_label}, "
         f"{format_bytes(math.ceil(base / shard_size))} per GPU), adapters "
-        f"{size.trainable_params / 1e6:,.3f}M trainable (gradients and optimizer state "
+        f"{format_count(size.trainable_params, 3)} trainable (gradients and optimizer state "
         "for these only)",
     ]
 

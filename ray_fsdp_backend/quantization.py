@@ -27,6 +27,7 @@ it is imported here only, and this module only by ``load_pretrained`` with
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -51,6 +52,22 @@ def nf4_bytes_per_param(base_itemsize: int = 2) -> float:
 
 
 QUANTIZATIONS = ("nf4",)
+
+
+def keep_torchao_unimported() -> None:
+    """Make this process import ``torchao`` only through this module's
+    quantising functions, never as a side effect (call it in a process that
+    will not quantise: the ``ray-fsdp`` driver, a worker of a run without
+    ``base_quantization``).
+
+    transformers 5.25 imports ``torchao`` whenever it is installed
+    (``modeling_utils`` -> ``quantizers.quantizer_torchao``), which prints
+    13 lines per process on a CPU machine (its CUDA kernels not loading,
+    "no triton", torch ``_pytree`` deprecations). A ``None`` entry in
+    ``sys.modules`` is Python's documented way to say "not importable":
+    ``importlib.util.find_spec`` then answers None, so transformers sees no
+    torchao. Does nothing once ``torchao`` is imported."""
+    sys.modules.setdefault("torchao", None)
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,18 @@ def check_nf4_shards(targets: list[Target]) -> None:
         ValueError: naming every such weight, its shape, the shard's shape
             and what does not divide.
     """
+    bad = nf4_shard_problems(targets)
+    if bad:
+        raise ValueError(
+            f"quantize='nf4' cannot quantise {len(bad)} weights shard by shard: "
+            + "; ".join(bad)
+            + " (choose dimensions or a shard count that divide them)"
+        )
+
+
+def nf4_shard_problems(targets: list[Target]) -> list[str]:
+    """One line per target :func:`check_nf4_shards` refuses, naming its shape
+    and what does not divide (PURE; the static check prints them one a line)."""
     bad = []
     for t in targets:
         numel = 1
@@ -92,12 +121,7 @@ def check_nf4_shards(targets: list[Target]) -> None:
                 f"not a multiple of block {BLOCK} x scaler block {SCALER_BLOCK} "
                 f"= {SHARD_MULTIPLE}"
             )
-    if bad:
-        raise ValueError(
-            f"quantize='nf4' cannot quantise {len(bad)} weights shard by shard: "
-            + "; ".join(bad)
-            + " (choose dimensions or a shard count that divide them)"
-        )
+    return bad
 
 
 def check_fsdp_managed(model: nn.Module, targets: list[Target]) -> None:

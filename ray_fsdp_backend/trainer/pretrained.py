@@ -126,6 +126,24 @@ class PretrainedModelConfig:
         total = nf4 * nf4_bytes_per_param(itemsize) + (frozen - nf4) * itemsize
         return total / frozen if frozen else itemsize
 
+    def activation_shape(self, micro_batch_size: int):
+        """What the activation estimate needs of this model (its config's
+        width, heads and vocabulary) and a micro-batch; None when the config
+        names no such shape."""
+        from ray_fsdp_backend.memory import ActivationShape
+
+        sizes = _sizes(self.pretrained, self.lora)
+        if "dim" not in sizes:
+            return None
+        return ActivationShape(
+            n_layers=sizes["n_layers"],
+            dim=sizes["dim"],
+            n_heads=sizes["n_heads"],
+            vocab_size=sizes["vocab_size"],
+            seq_len=self.seq_len,
+            micro_batch_size=micro_batch_size,
+        )
+
     @property
     def base_label(self) -> str:
         """The frozen base's storage, as ``ray-fsdp plan`` names it."""
@@ -181,7 +199,18 @@ def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
         matrix_params=matrices,
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
         nf4_params=sum(math.prod(t.shape) for t in nf4_targets(model)),
+        **_decoder_shape(getattr(model, "config", None)),
     )
+
+
+def _decoder_shape(config) -> dict[str, int]:
+    """Width, heads and vocabulary of a transformers config (the activation
+    estimate's inputs); empty when one is missing."""
+    names = dict(dim="hidden_size", n_heads="num_attention_heads", vocab_size="vocab_size")
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    values = {k: getattr(config, v, None) for k, v in names.items()}
+    return values if all(isinstance(v, int) for v in values.values()) else {}
 
 
 def _layer_lists(model: nn.Module) -> list[nn.Module]:

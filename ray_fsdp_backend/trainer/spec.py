@@ -25,12 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from ray_fsdp_backend.backend import FSDPConfig
-from ray_fsdp_backend.config import unknown_key_message
+from ray_fsdp_backend.config import parse_yaml, unknown_key_message
 from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
 from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.trainer.preflight import storage_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
 
 OPTIMIZERS = ("adamw", "muon")
@@ -168,7 +167,7 @@ class RunSpec:
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     with open(path) as f:
-        doc = yaml.safe_load(f) or {}
+        doc = parse_yaml(f) or {}
     if not isinstance(doc, dict):
         raise ValueError(f"{os.fspath(path)}: top level must be a mapping of sections")
     return doc
@@ -191,7 +190,7 @@ def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             if not isinstance(child, dict):
                 raise ValueError(f"--set {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(text)
+        node[parts[-1]] = parse_yaml(text)
     return out
 
 
@@ -388,15 +387,30 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
     if isinstance(model, PretrainedModelConfig):
-        errors += model.check()  # the checkpoint exists, LoRA targets match: before Ray starts
+        # the checkpoint exists, LoRA targets match, its shapes fit the layout: before Ray starts
+        found = model.check()
+        errors += found or _pretrained_layout_errors(model, dist, built.get("scaling"))
     if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
         errors.append("model.pretrained trains on data.source='corpus' (its tokenizer's ids)")
+    if built.get("run") is not None:
+        errors += storage_errors(built["run"].storage_path)
     if data is not None and data.source == "ray_data" and data.path is None:
         errors.append("data.source='ray_data' needs data.path (files or a directory of text)")
     if data is not None and data.source == "corpus" and data.path is not None:
         if "://" not in data.path and not os.path.isfile(data.path):
             errors.append(f"data.path={data.path!r} is not a file")
     return errors
+
+
+def _pretrained_layout_errors(model, dist, scaling) -> list[str]:
+    """The checkpoint's shapes against the layout at the smallest and largest
+    worker count, on one node (``plan`` checks its own nodes)."""
+    if dist is None or scaling is None:
+        return []
+    from ray_fsdp_backend.hf.layout_check import pretrained_layout_errors
+
+    low, high = worker_range(scaling.num_workers)
+    return pretrained_layout_errors(model, dist, [[n] for n in sorted({low, high})])
 
 
 def _context_parallel_errors(dist, model, data, scaling) -> list[str]:
@@ -507,7 +521,10 @@ def _group_errors(dist, scaling: ScalingOptions | None) -> list[str]:
     """A worker range with no count that holds whole tp x cp groups."""
     if dist is None or scaling is None:
         return []
-    message = describe_group_sizes(*worker_range(scaling.num_workers), model_group(dist))
+    tp, cp = dist.tensor_parallel_size, dist.context_parallel_size
+    sizes = [f"tensor_parallel_size={tp}"] * (tp > 1) + [f"context_parallel_size={cp}"] * (cp > 1)
+    label = "distributed." + " x ".join(sizes) if sizes else None
+    message = describe_group_sizes(*worker_range(scaling.num_workers), model_group(dist), label)
     return [message] if message else []
 
 

@@ -43,6 +43,7 @@ import ray_fsdp_backend as rfb
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, quiet_console
+from ray_fsdp_backend.quantization import keep_torchao_unimported
 from ray_fsdp_backend.step_guard import step_if_finite
 from ray_fsdp_backend.trainer.data import (
     PackedBatches,
@@ -67,10 +68,18 @@ _logger = logging.getLogger(__name__)
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]:
     """Train the example model; returns the logged history (rank 0's is used)."""
+    if not quantizes(loop_config):
+        keep_torchao_unimported()  # before the spec's checks build a transformers model
     ctx = rfb.get_context()
     spec = fit_global_batch(build_spec(loop_config), ctx.dp_size, ctx.world_rank)
     quiet_console(spec.logging.verbose)
     return run_training(ctx, spec)
+
+
+def quantizes(loop_config: dict[str, Any]) -> bool:
+    """Whether the run's base is quantised (``model.lora.base_quantization``)."""
+    lora = (loop_config.get("model") or {}).get("lora") or {}
+    return isinstance(lora, dict) and lora.get("base_quantization") is not None
 
 
 @dataclass

@@ -35,10 +35,12 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
             "--set", f"logging.tensorboard={tmp_path / 'tb'}",
             "--set", "distributed.peak_tflops=0.5",
         ],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=300,
     )  # fmt: skip
-    log = out.stdout + out.stderr
+    log = out.stdout  # stdout and stderr as a terminal interleaves them
     assert out.returncode == 0, log[-4000:]
+    assert_console_is_the_readmes(log)
 
     # Progress lines: step, loss, tokens/s, MFU, memory and ETA; no Ray report lines.
     progress = r"step 10/40 \| loss \d+\.\d+ .* tok/s .* \| MFU \d+\.\d% .* GiB \| ETA \d\d:"
@@ -80,6 +82,29 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
     assert_tensorboard_has(tmp_path / "tb", history)
     png = (run_dir / "loss_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def assert_console_is_the_readmes(log: str) -> None:
+    """The run's whole console, line for line, is the README's quick start
+    sample: the same lines in the same order, numbers and paths aside (this
+    run's MFU column and TensorBoard line, which the README's run has not,
+    and the lines docs/monitoring.md lists as a crowded machine's, aside).
+    A new line on the console (a library's warning, Ray's prefixes) fails."""
+    from benchmarks.samples import collapse_progress, console_shape, quickstart_sample
+
+    optional = [re.compile(p) for p in expected_console_lines()]
+
+    def shown(lines):
+        lines = [re.sub(r"MFU [^|]*\| ", "", ln) for ln in lines if ln.strip()]
+        return [ln for ln in lines if not ln.startswith("tensorboard:")
+                and not any(p.search(ln) for p in optional)]  # fmt: skip
+
+    run = console_shape(collapse_progress(shown(log.splitlines())))
+    readme = console_shape(shown(quickstart_sample((REPO / "README.md").read_text())))
+    assert run == readme, (
+        "the quick start's console is not README.md's sample (regenerate it with "
+        "`python -m benchmarks.samples`):\n" + "\n".join(run)
+    )
 
 
 def expected_console_lines() -> list[str]:

@@ -170,18 +170,17 @@ def test_elastic_sizes_under_model_parallelism_keep_groups_whole():
     assert elastic_world_sizes(None, 3, 9, group=4) == ([4, 8], [3, 5, 6, 7, 9])
     assert describe_group_sizes(4, 8, 4) is None
     message = describe_group_sizes(5, 7, 4)
-    assert (
-        "scaling.num_workers=[5, 7] holds no whole tensor x context parallel group of 4"
-        in (message)
-        and "multiples of 4 (e.g. 4, 8)" in message
-    )
+    assert "4 ranks per group, but scaling.num_workers=[5, 7] holds no whole group" in message
+    assert "multiples of 4 (e.g. 4, 8)" in message
 
 
 def test_a_worker_range_without_whole_groups_is_refused_by_validate():
     doc = _doc(global_batch_size=32)
     doc["distributed"]["tensor_parallel_size"] = 2
     doc["scaling"]["num_workers"] = [3, 3]
-    assert any("holds no whole tensor x context parallel group of 2" in e for e in check_spec(doc))
+    # The message names the setting that makes the group, not only the workers.
+    named = "distributed.tensor_parallel_size=2 needs 2 ranks per group, but scaling.num_workers=3"
+    assert any(named in e for e in check_spec(doc)), check_spec(doc)
     doc["scaling"]["num_workers"] = [2, 6]
     assert not [e for e in check_spec(doc) if "global_batch_size" in e or "group" in e]
     doc["train"]["global_batch_size"] = 3  # dp 1 fits (2 workers), so the range is accepted
