@@ -205,7 +205,8 @@ def run_training(spec: RunSpec, name: str):
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
         ),
         datasets=build_datasets(spec),
-        dataset_config=MeshDataConfig(),  # ray_data rows split by dp rank, not world rank
+        # Training rows split by dp rank, not world rank; the held-out set whole to every rank.
+        dataset_config=MeshDataConfig(datasets_to_split=["train"]),
     )
     return trainer.fit()
 
@@ -238,15 +239,22 @@ def resolve_use_gpu(setting: bool | str, cluster_resources: dict) -> bool:
 
 
 def build_datasets(spec: RunSpec) -> dict | None:
-    if spec.data.source != "ray_data":
+    """The run's Ray datasets, built on the driver: ``rfb.sft_dataset`` rows
+    for ``chat`` / ``prompt_completion`` (``train`` and the held-out ``eval``),
+    byte rows for the text ``ray_data`` source; None for the text corpus."""
+    if not spec.data.is_sft and spec.data.source != "ray_data":
         return None
     import ray.data
-
-    from ray_fsdp_backend.trainer.data import pack_text_rows
 
     # Ray Data draws a progress bar per operator, thousands of lines around a
     # short run's progress lines: off unless asked for (-v).
     ray.data.DataContext.get_current().enable_progress_bars = spec.logging.verbose
+    if spec.data.is_sft:
+        from ray_fsdp_backend.trainer.sft_data import build_sft_datasets
+
+        return build_sft_datasets(spec)
+    from ray_fsdp_backend.trainer.data import pack_text_rows
+
     rows = ray.data.read_text(spec.data.path).map_batches(
         pack_text_rows, fn_kwargs={"seq_len": spec.model.seq_len}, batch_size=1024
     )
