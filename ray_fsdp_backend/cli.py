@@ -182,7 +182,6 @@ def run_training(spec: RunSpec, name: str):
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.trainer.train import train_loop_per_worker
 
     if not ray.is_initialized():
@@ -205,8 +204,7 @@ def run_training(spec: RunSpec, name: str):
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
         ),
         datasets=build_datasets(spec),
-        # Training rows split by dp rank, not world rank; the held-out set whole to every rank.
-        dataset_config=MeshDataConfig(datasets_to_split=["train"]),
+        dataset_config=dataset_config(spec),
     )
     return trainer.fit()
 
@@ -236,6 +234,23 @@ def resolve_use_gpu(setting: bool | str, cluster_resources: dict) -> bool:
     if setting == "auto":
         return cluster_resources.get("GPU", 0) > 0
     return bool(setting)
+
+
+def dataset_config(spec: RunSpec):
+    """Training rows split by dp rank, not world rank (``rfb.MeshDataConfig``);
+    the held-out set whole to every rank. ``chat`` / ``prompt_completion``
+    rows keep their seeded order through the split (``preserve_order``), so a
+    resume at the same worker count skips exactly the rows already read."""
+    from ray.train import DataConfig
+
+    from ray_fsdp_backend.data_config import MeshDataConfig
+
+    options = None
+    if spec.data.is_sft:
+        options = DataConfig.default_ingest_options()
+        options.preserve_order = True
+        options = {"train": options}
+    return MeshDataConfig(datasets_to_split=["train"], execution_options=options)
 
 
 def build_datasets(spec: RunSpec) -> dict | None:

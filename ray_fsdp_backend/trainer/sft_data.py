@@ -21,7 +21,7 @@ runs the same number of forwards (FSDP's all-gathers are collective).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -136,16 +136,18 @@ class SftBatches(RayDataBatches):
 
 
 def eval_batches(
-    dataset, micro_batch_size: int, dp_rank: int, dp_size: int
+    global_batches: Iterable[dict[str, torch.Tensor]],
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This dp rank's micro-batches of the whole held-out set: of every
-    ``micro_batch_size * dp_size`` rows, the ``dp_rank``-th block; a short
-    block is filled with rows that carry no loss, so every rank runs as many
-    forwards."""
-    global_rows = micro_batch_size * dp_size
-    for rows in dataset.iter_torch_batches(batch_size=global_rows, drop_last=False):
+    """This dp rank's micro-batches of the whole held-out set, from its rows
+    in batches of ``micro_batch_size * dp_size`` (``iter_torch_batches``):
+    of each, the ``dp_rank``-th block; a short block is filled with rows that
+    carry no loss, so every rank runs as many forwards."""
+    first = dp_rank * micro_batch_size
+    for rows in global_batches:
         batch = to_micro_batch(rows)
-        first = dp_rank * micro_batch_size
         mine = {k: v[first : first + micro_batch_size] for k, v in batch.items()}
         yield pad_rows(mine, micro_batch_size)
 

@@ -342,8 +342,6 @@ _CHOICES = {
     "optimizer": OPTIMIZERS,
     "source": DATA_SOURCES,
     "format": DATA_FORMATS,
-    "train_on_prompt": (True, False),
-    "packing": (True, False),
     "use_gpu": (True, False, "auto"),
     "checkpoint_async": (True, False),
     "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -353,6 +351,7 @@ _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
 _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_interval_s"}
 _OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard", "eval_path"}
 _FIELD_NAMES = {"messages_field", "prompt_field", "completion_field"}
+_BOOLS = {"train_on_prompt", "packing"}  # not in _CHOICES: 1 == True there
 
 
 def _build_options(cls: type, section: str, values: Mapping[str, Any]) -> Any:
@@ -388,6 +387,8 @@ def _check_option(key: str, value: Any) -> None:
         raise ValueError(f"{key}={value!r} is not one of {allowed}")
     if key in _OPTIONAL_STRS and value is not None and not isinstance(value, str):
         raise ValueError(f"{key}={value!r} must be a string or null")
+    if key in _BOOLS and not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} must be true or false")
     if key in _FIELD_NAMES and not (isinstance(value, str) and value):
         raise ValueError(f"{key}={value!r} must be a record field's name")
     if key == "eval_every" and not isinstance(value, int):

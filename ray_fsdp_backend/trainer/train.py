@@ -210,8 +210,9 @@ def held_out_loss(ctx, model: nn.Module, spec: RunSpec, dataset) -> float:
             token_sum, _ = token_loss_sum(ctx, model, batch, spec)
         return local_value(token_sum), count_valid_tokens(batch["targets"])
 
-    rows = eval_batches(dataset, spec.train.micro_batch_size, ctx.dp_rank, ctx.dp_size)
-    return evaluate(model, rows, sums, ctx.device)
+    micro = spec.train.micro_batch_size
+    rows = dataset.iter_torch_batches(batch_size=micro * ctx.dp_size, drop_last=False)
+    return evaluate(model, eval_batches(rows, micro, ctx.dp_rank, ctx.dp_size), sums, ctx.device)
 
 
 def log_step(
