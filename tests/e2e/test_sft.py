@@ -36,7 +36,8 @@ model = AutoModelForCausalLM.from_pretrained(path).eval()
 for messages in json.loads(sys.argv[2]):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=32, do_sample=False)
-    print(json.dumps(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)))
+    answer = out[0, ids["input_ids"].shape[1]:]
+    print(json.dumps(tokenizer.decode(answer, skip_special_tokens=True)))
 """
 
 
