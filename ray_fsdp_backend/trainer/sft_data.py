@@ -56,20 +56,23 @@ def _paths(data) -> dict[str, str]:
 
 
 def sft_input_errors(data, model) -> list[str]:
-    """Every problem the records of ``data.path`` (and ``data.eval_path``)
-    would raise, found on the driver with the checkpoint's tokenizer: each
-    message names the key, the file and the record."""
+    """What ``rfb.sft_dataset`` would refuse in ``data.path`` (and
+    ``data.eval_path``), found on the driver with the checkpoint's tokenizer
+    (``check_sft_source``: the first records of every file); each message
+    names the key, the file and the record."""
     from ray_fsdp_backend.hf.models import load_tokenizer
-    from ray_fsdp_backend.sft import check_sft_input
+    from ray_fsdp_backend.sft import check_sft_source
 
     try:
         tokenizer = load_tokenizer(model.pretrained)
     except (OSError, ValueError) as exc:
         return [f"model.pretrained={model.pretrained!r}: its tokenizer cannot be loaded: {exc}"]
-    options = sft_options(data, model.seq_len)
     errors = []
     for key, path in _paths(data).items():
-        errors += [f"{key}: {e}" for e in check_sft_input(path, tokenizer, **options)]
+        try:
+            check_sft_source(path, tokenizer, **sft_options(data, model.seq_len))
+        except (OSError, ValueError) as exc:  # SFTDataError is a ValueError
+            errors.append(f"{key}={path!r}: {exc}")
     return errors
 
 

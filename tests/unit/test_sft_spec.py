@@ -165,3 +165,45 @@ def test_eval_loss_is_the_token_mean_of_the_held_out_set():
     assert sum(s * c for s, c in zip(shares, counts, strict=True)) / total == pytest.approx(
         float(ref), rel=1e-6
     )
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoints(tmp_path_factory):
+    """A tiny Llama with a chat template, one without, and the chat data."""
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+
+    root = tmp_path_factory.mktemp("sft")
+    chat = save_tiny_pretrained("llama", root / "chat", chat=True)
+    plain = save_tiny_pretrained("llama", root / "plain")
+    return chat, plain, save_tiny_chat_data(root / "data")
+
+
+def _sft_errors(model: str, path: str, **data) -> list[str]:
+    doc = {
+        "distributed": {},
+        "model": {"pretrained": model, "seq_len": 128},
+        "data": {"format": "chat", "path": path, "packing": True, **data},
+    }
+    return check_spec(doc)
+
+
+def test_packed_chat_records_on_a_pretrained_model_are_accepted(chat_checkpoints):
+    """The refusals this lifts: a pretrained model on records, packed."""
+    chat, _, files = chat_checkpoints
+    assert _sft_errors(chat, files["train"], eval_path=files["eval"]) == []
+
+
+def test_bad_records_are_named_before_ray_starts(chat_checkpoints, tmp_path):
+    chat, plain, files = chat_checkpoints
+    empty, text = tmp_path / "empty.jsonl", tmp_path / "notes.txt"
+    empty.write_text("")
+    text.write_text("not json\n")
+    cases = [
+        (_sft_errors(chat, files["train"], messages_field="turns"), ["data.path=", "'turns'"]),
+        (_sft_errors(plain, files["train"]), ["data.path=", "chat_template"]),
+        (_sft_errors(chat, str(empty)), ["data.path=", "empty.jsonl"]),
+        (_sft_errors(chat, str(text)), ["data.path=", "notes.txt"]),
+        (_sft_errors(chat, files["train"], eval_path=str(empty)), ["data.eval_path=", "empty"]),
+    ]
+    for errors, words in cases:
+        assert len(errors) == 1 and all(w in errors[0] for w in words), (words, errors)
