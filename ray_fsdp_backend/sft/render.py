@@ -79,7 +79,11 @@ def chat_document(messages: list[dict], tokenizer, train_on_prompt: bool, where:
         )
     try:
         text = render_chat(tokenizer, messages)
-        spans = [(0, len(text))] if train_on_prompt else assistant_spans(tokenizer, messages, text)
+        spans = (
+            [(0, len(text))]
+            if train_on_prompt
+            else assistant_spans(tokenizer, messages, text, where)
+        )
     except SFTDataError:
         raise
     except Exception as exc:  # jinja's TemplateError from raise_exception, and friends
@@ -90,24 +94,35 @@ def chat_document(messages: list[dict], tokenizer, train_on_prompt: bool, where:
     return tokenize_spans(tokenizer, text, spans, add_special_tokens=False)
 
 
-def assistant_spans(tokenizer, messages: list[dict], text: str) -> Spans:
+def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> Spans:
     """Character spans of ``text`` (the whole rendered conversation) that hold
     the assistant turns (see the module docstring)."""
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = render_chat(tokenizer, messages[:i], generation=True) if i else ""
+        start = _generation_prefix(tokenizer, messages[:i])
         end = render_chat(tokenizer, messages[: i + 1])
         if not (text.startswith(start) and text.startswith(end) and len(end) > len(start)):
             raise SFTDataError(
-                f"the chat template renders assistant turn {i} differently once later turns "
+                f"{where}: the chat template renders assistant turn {i} differently once later turns "
                 "follow (its prefixes are not prefixes of the whole conversation), so its "
                 "tokens cannot be found; use train_on_prompt=True or a template that renders "
                 "history as it rendered the turn"
             )
         spans.append((len(start), len(end)))
     return spans
+
+
+def _generation_prefix(tokenizer, history: list[dict]) -> str:
+    """The text before the model answers ``history``; an empty history that the
+    template cannot render (it reads ``messages[0]``) has none."""
+    if history:
+        return render_chat(tokenizer, history, generation=True)
+    try:
+        return render_chat(tokenizer, history, generation=True)
+    except Exception:  # jinja's UndefinedError on messages[0], and friends
+        return ""
 
 
 def tokenize_spans(tokenizer, text: str, spans: Spans, *, add_special_tokens: bool):
