@@ -105,10 +105,10 @@ def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> S
         end = render_chat(tokenizer, messages[: i + 1])
         if not (text.startswith(start) and text.startswith(end) and len(end) > len(start)):
             raise SFTDataError(
-                f"{where}: the chat template renders assistant turn {i} differently once later turns "
-                "follow (its prefixes are not prefixes of the whole conversation), so its "
-                "tokens cannot be found; use train_on_prompt=True or a template that renders "
-                "history as it rendered the turn"
+                f"{where}: the chat template renders assistant turn {i} differently "
+                "once later turns follow (its prefixes are not prefixes of the whole "
+                "conversation), so its tokens cannot be found; use train_on_prompt=True "
+                "or a template that renders history as it rendered the turn"
             )
         spans.append((len(start), len(end)))
     return spans
