@@ -262,7 +262,13 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
         errors += section_errors
         if not section_errors:
             built[name] = build(section)
-    return errors + _cross_section_errors(built)
+    errors += _cross_section_errors(built)
+    data = built.get("data")
+    if not errors and data is not None and data.is_sft:  # reads records: once all else holds
+        from ray_fsdp_backend.trainer.sft_data import sft_input_errors
+
+        errors += sft_input_errors(data, built["model"])
+    return errors
 
 
 def build_spec(doc: Mapping[str, Any]) -> RunSpec:
@@ -442,10 +448,6 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     errors += model_errors  # the checkpoint exists, LoRA targets match: before Ray starts
     if data is not None:
         errors += data_errors(data, model, train)
-        if not errors and data.is_sft:  # reads the records: only once all else holds
-            from ray_fsdp_backend.trainer.sft_data import sft_input_errors
-
-            errors += sft_input_errors(data, model)
     return errors
 
 
@@ -462,6 +464,10 @@ def data_errors(data: DataOptions, model, train: TrainOptions | None) -> list[st
             )
         if data.path is None:
             errors.append(f"data.format={data.format!r} needs data.path (JSONL or parquet)")
+        for key in ("path", "eval_path"):
+            path = getattr(data, key)
+            if path is not None and "://" not in path and not os.path.exists(path):
+                errors.append(f"data.{key}={path!r} is not a file or directory")
         if data.eval_path is not None and data.eval_fraction is not None:
             errors.append(
                 f"data.eval_path={data.eval_path!r} and data.eval_fraction={data.eval_fraction}: "

@@ -29,6 +29,7 @@ NAMES = [
     "finetune_lora",
     "moe_ep",
     "finetune_qlora",
+    "sft_chat",
 ]
 
 
@@ -46,14 +47,18 @@ def test_validate_accepts_every_example(capsys, tmp_path):
     """Every example validates once the checkpoint its header makes exists
     (``model.pretrained`` is checked for a ``config.json``)."""
     pytest.importorskip("transformers")
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
 
-    tiny = save_tiny_pretrained("llama", tmp_path / "tiny")
+    tiny = save_tiny_pretrained("llama", tmp_path / "tiny", chat=True)
+    chat = save_tiny_chat_data(tmp_path / "tiny" / "chat")
     configs = []
     for config in CONFIGS:
         doc = load_yaml(config)
         if "pretrained" in doc["model"]:
             doc["model"]["pretrained"] = tiny
+        if doc.get("data", {}).get("format") == "chat":  # the records its header writes
+            doc["data"] |= {"path": chat["train"], "eval_path": chat["eval"]}
+        if "pretrained" in doc["model"]:
             config = tmp_path / config.name
             config.write_text(yaml.safe_dump(doc))
         configs.append(str(config))
