@@ -207,3 +207,33 @@ def test_bad_records_are_named_before_ray_starts(chat_checkpoints, tmp_path):
     ]
     for errors, words in cases:
         assert len(errors) == 1 and all(w in errors[0] for w in words), (words, errors)
+
+
+class _Rows:
+    """A data source with ``iter_torch_batches`` over fixed rows (what a
+    Ray Data shard gives, in one order)."""
+
+    def __init__(self, rows: dict[str, torch.Tensor]) -> None:
+        self.rows = rows
+
+    def iter_torch_batches(self, batch_size: int, drop_last: bool):
+        return iter(_batches(self.rows, batch_size)[: len(self.rows["input_ids"]) // batch_size])
+
+
+def test_sft_batches_resume_where_the_checkpoint_left_off():
+    """Killed after 3 micro-batches (of 2 rows, dp 1), a restart from the
+    state reads the rest of the epoch and the next, as the whole run does."""
+    from ray_fsdp_backend.trainer.sft_data import SftBatches
+
+    shard = _Rows(_rows(10, seed=2))
+    whole = SftBatches(shard, 2)
+    reference = [whole.next_batch() for _ in range(8)]
+    first = SftBatches(shard, 2)
+    for _ in range(3):
+        first.next_batch()
+    resumed = SftBatches(shard, 2)
+    resumed.load_state_dict(first.state_dict())
+    rest = [resumed.next_batch() for _ in range(5)]
+    for got, want in zip(rest, reference[3:], strict=True):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert set(rest[0]) == {"input_ids", "targets", "position_ids"}
