@@ -86,6 +86,9 @@ def save_tiny_pretrained(
         # are near-uniform and LoRA moves them too slowly to teach answers in
         # a minute (loss 4.58 -> 4.40 in 40 steps, against 4.58 -> 0.95).
         config.initializer_range, config.max_position_embeddings = 0.16, 256
+        # <|im_start|> and <|im_end|> (save_tiny_tokenizer's ids): generation
+        # stops at the end of the assistant's turn, as a chat model's does.
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 3
     model = tf.AutoModelForCausalLM.from_config(config)
     model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
     save_tiny_tokenizer(path, chat=chat)
@@ -141,7 +144,7 @@ def chat_records(pairs) -> list[dict]:
     return records
 
 
-def save_tiny_chat_data(path, *, copies: int = 8, parquet: bool = False) -> dict[str, str]:
+def save_tiny_chat_data(path, *, copies: int = 32, parquet: bool = False) -> dict[str, str]:
     """``train`` (:data:`CHAT_TRAIN`, ``copies`` times) and ``eval``
     (:data:`CHAT_EVAL`) chat datasets in ``path``, as JSONL or parquet;
     returns their paths."""
