@@ -29,6 +29,10 @@ _EXPORTS = {
     "DistributionStrategy": "ray_fsdp_backend.strategies",
     "FSDPStrategy": "ray_fsdp_backend.strategies",
     "build_strategy": "ray_fsdp_backend.strategies",
+    "SFTDataError": "ray_fsdp_backend.sft",
+    "check_sft_source": "ray_fsdp_backend.sft",
+    "sft_dataset": "ray_fsdp_backend.sft",
+    "sft_stats": "ray_fsdp_backend.sft",
 }
 
 __all__ = [
@@ -40,11 +44,15 @@ __all__ = [
     "FSDPStrategy",
     "MeshDataConfig",
     "PretrainedCheckpointError",
+    "SFTDataError",
     "ShardingStrategy",
     "TrainContext",
     "build_strategy",
+    "check_sft_source",
     "get_context",
     "load_pretrained",
+    "sft_dataset",
+    "sft_stats",
 ]
 
 if TYPE_CHECKING:
@@ -54,6 +62,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.context import TrainContext, get_context
     from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
+    from ray_fsdp_backend.sft import SFTDataError, check_sft_source, sft_dataset, sft_stats
     from ray_fsdp_backend.strategies import (
         DDPStrategy,
         DistributionStrategy,

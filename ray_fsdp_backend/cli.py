@@ -262,7 +262,6 @@ def _fit(spec: RunSpec, name: str, resources: dict, *, refuse: bool):
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.trainer.train import train_loop_per_worker
 
     errors = cluster_errors(spec.scaling, resources)
@@ -282,7 +281,7 @@ def _fit(spec: RunSpec, name: str, resources: dict, *, refuse: bool):
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
         ),
         datasets=build_datasets(spec),
-        dataset_config=MeshDataConfig(),  # ray_data rows split by dp rank, not world rank
+        dataset_config=dataset_config(spec),
     )
     return trainer.fit()
 
@@ -332,16 +331,40 @@ def resolve_use_gpu(setting: bool | str, cluster_resources: dict) -> bool:
     return bool(setting)
 
 
+def dataset_config(spec: RunSpec):
+    """Training rows split by dp rank, not world rank (``rfb.MeshDataConfig``);
+    the held-out set whole to every rank. ``chat`` / ``prompt_completion``
+    rows keep their seeded order through the split (``preserve_order``), so a
+    resume at the same worker count skips exactly the rows already read."""
+    from ray.train import DataConfig
+
+    from ray_fsdp_backend.data_config import MeshDataConfig
+
+    options = None
+    if spec.data.is_sft:
+        options = DataConfig.default_ingest_options()
+        options.preserve_order = True
+        options = {"train": options}
+    return MeshDataConfig(datasets_to_split=["train"], execution_options=options)
+
+
 def build_datasets(spec: RunSpec) -> dict | None:
-    if spec.data.source != "ray_data":
+    """The run's Ray datasets, built on the driver: ``rfb.sft_dataset`` rows
+    for ``chat`` / ``prompt_completion`` (``train`` and the held-out ``eval``),
+    byte rows for the text ``ray_data`` source; None for the text corpus."""
+    if not spec.data.is_sft and spec.data.source != "ray_data":
         return None
     import ray.data
-
-    from ray_fsdp_backend.trainer.data import pack_text_rows
 
     # Ray Data draws a progress bar per operator, thousands of lines around a
     # short run's progress lines: off unless asked for (-v).
     ray.data.DataContext.get_current().enable_progress_bars = spec.logging.verbose
+    if spec.data.is_sft:
+        from ray_fsdp_backend.trainer.sft_data import build_sft_datasets
+
+        return build_sft_datasets(spec)
+    from ray_fsdp_backend.trainer.data import pack_text_rows
+
     rows = ray.data.read_text(spec.data.path).map_batches(
         pack_text_rows, fn_kwargs={"seq_len": spec.model.seq_len}, batch_size=1024
     )

@@ -109,11 +109,13 @@ def throughput_metrics(
 
 
 def format_progress(m: Mapping[str, float], total_steps: int) -> str:
-    """One console line: step, loss, grad norm, lr, throughput, MFU, step time,
+    """One console line: step, loss, eval loss, grad norm, lr, throughput, MFU, step time,
     peak memory and ETA; fields absent from ``m`` are left out."""
     parts = [f"step {m['step']:>{len(str(total_steps))}}/{total_steps}"]
     if "loss" in m:
         parts.append(f"loss {m['loss']:.4f}")
+    if "eval_loss" in m:
+        parts.append(f"eval loss {m['eval_loss']:.4f}")
     if "grad_norm" in m:
         parts.append(f"grad norm {m['grad_norm']:.3f}")
     if "lr" in m:

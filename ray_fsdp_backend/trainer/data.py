@@ -224,11 +224,15 @@ class RayDataBatches:
         for _ in range(2):
             for batch in self._it or ():
                 self.epoch_rows += self.micro_batch_size * self.dp_size
-                return split_rows(batch["tokens"])
+                return self.to_batch(batch)
             if self._it is not None:  # the epoch's stream ran out
                 self.epoch, self.epoch_rows = self.epoch + 1, 0
             self._it = self._new_epoch()
         raise RuntimeError("the Ray Data shard has fewer rows than one micro-batch")
+
+    def to_batch(self, rows: dict[str, torch.Tensor]):
+        """A micro-batch from the shard's rows: byte rows as ``(inputs, targets)``."""
+        return split_rows(rows["tokens"])
 
     def _new_epoch(self) -> Iterator:
         it = iter(self.shard.iter_torch_batches(batch_size=self.micro_batch_size, drop_last=True))

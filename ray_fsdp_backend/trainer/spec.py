@@ -34,6 +34,9 @@ from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_mod
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")
+DATA_FORMATS = ("text", "chat", "prompt_completion")
+SFT_FORMATS = ("chat", "prompt_completion")
+"""The formats ``rfb.sft_dataset`` reads (records of a JSONL / parquet dataset)."""
 
 
 @dataclass(frozen=True)
@@ -80,25 +83,61 @@ class TrainOptions:
     checkpoint_async: bool = False
     """Write checkpoints in the background: the saving step waits only for a
     copy of the state in host memory (``ctx.save_checkpoint(async_save=True)``)."""
+    eval_every: int = 0
+    """Steps between evaluations of the held-out set (``data.eval_path`` or
+    ``data.eval_fraction``); 0: only after the last step. Needs an eval set."""
 
 
 @dataclass(frozen=True)
 class DataOptions:
     """The ``data:`` section."""
 
+    format: str = "text"
+    """``text``: plain text, the loss on every token (``source`` says how it
+    is read). ``chat`` (a list of ``{role, content}`` messages per record) or
+    ``prompt_completion`` (two text fields): JSONL / parquet records read by
+    Ray Data on CPU workers, rendered with the checkpoint tokenizer's chat
+    template and packed (``rfb.sft_dataset``); needs ``model.pretrained``."""
     source: str = "corpus"
-    """``corpus``: one text file read by every worker, sharded by rank in a
-    resumable order. ``ray_data``: ``ray.data.read_text(path)`` split by Ray
-    Data across the data-parallel ranks (``rfb.MeshDataConfig``: the ranks of a
-    tp / cp group read the same rows), for datasets larger than one file."""
+    """``format: text`` only. ``corpus``: one text file read by every worker,
+    sharded by rank in a resumable order. ``ray_data``: ``ray.data.read_text(path)``
+    split by Ray Data across the data-parallel ranks (``rfb.MeshDataConfig``:
+    the ranks of a tp / cp group read the same rows), for datasets larger than one file."""
     path: str | None = None
-    """Text file (``corpus``) or files/directory/URI (``ray_data``); None is the
-    shipped corpus."""
+    """Text file (``corpus``), files/directory/URI (``ray_data``), or the
+    JSONL / parquet file or directory (local, ``s3://``, ``gs://``) of a
+    ``chat`` / ``prompt_completion`` dataset; None is the shipped corpus (text only)."""
+    messages_field: str = "messages"
+    """``format: chat``: the field holding each record's messages."""
+    prompt_field: str = "prompt"
+    """``format: prompt_completion``: the prompt's field."""
+    completion_field: str = "completion"
+    """``format: prompt_completion``: the completion's field."""
+    train_on_prompt: bool = False
+    """``chat`` / ``prompt_completion``: False puts the loss on the assistant
+    turns (or the completion) only; True on every token."""
     packing: bool = False
-    """Concatenate the corpus's documents (its lines) into ``model.seq_len``
-    rows, ``position_ids`` restarting per document; attention never crosses
-    documents. Byte-level model and ``corpus`` source; composes with Ulysses
-    context parallelism, not with ring."""
+    """Concatenate documents into ``model.seq_len`` rows, ``position_ids``
+    restarting per document; attention never crosses documents. With
+    ``format: text``: the corpus's lines, byte-level model and ``corpus``
+    source; with ``chat`` / ``prompt_completion``: the records (False: one
+    record a row, padded). Composes with Ulysses context parallelism, not ring."""
+    eval_path: str | None = None
+    """``chat`` / ``prompt_completion``: a held-out dataset in the same
+    format; its token-mean loss is logged as ``eval_loss``."""
+    eval_fraction: float | None = None
+    """``chat`` / ``prompt_completion``: hold out this fraction (0 < f < 1)
+    of ``path``'s rows instead of an ``eval_path`` (a seeded hash of each
+    packed row picks them)."""
+
+    @property
+    def is_sft(self) -> bool:
+        """Whether the data are records for ``rfb.sft_dataset`` (not plain text)."""
+        return self.format in SFT_FORMATS
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_path is not None or self.eval_fraction is not None
 
 
 @dataclass(frozen=True)
@@ -222,7 +261,13 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
         errors += section_errors
         if not section_errors:
             built[name] = build(section)
-    return errors + _cross_section_errors(built)
+    errors += _cross_section_errors(built)
+    data = built.get("data")
+    if not errors and data is not None and data.is_sft:  # reads records: once all else holds
+        from ray_fsdp_backend.trainer.sft_data import sft_input_errors
+
+        errors += sft_input_errors(data, built["model"])
+    return errors
 
 
 def build_spec(doc: Mapping[str, Any]) -> RunSpec:
@@ -296,10 +341,12 @@ def _names_key(message: str, key: str) -> bool:
 
 _POSITIVE_INTS = {"steps", "micro_batch_size", "grad_accum", "log_every"}
 _NON_NEGATIVE = {"warmup_steps", "checkpoint_every", "max_failures", "seed", "weight_decay"}
+_NON_NEGATIVE |= {"eval_every"}
 _NON_NEGATIVE |= {"max_grad_norm", "min_lr_ratio"}
 _CHOICES = {
     "optimizer": OPTIMIZERS,
     "source": DATA_SOURCES,
+    "format": DATA_FORMATS,
     "use_gpu": (True, False, "auto"),
     "checkpoint_async": (True, False),
     "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -307,7 +354,9 @@ _CHOICES = {
 }
 _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
 _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_interval_s"}
-_OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard"}
+_OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard", "eval_path"}
+_FIELD_NAMES = {"messages_field", "prompt_field", "completion_field"}
+_BOOLS = {"train_on_prompt", "packing"}  # not in _CHOICES: 1 == True there
 
 
 def _build_options(cls: type, section: str, values: Mapping[str, Any]) -> Any:
@@ -343,6 +392,14 @@ def _check_option(key: str, value: Any) -> None:
         raise ValueError(f"{key}={value!r} is not one of {allowed}")
     if key in _OPTIONAL_STRS and value is not None and not isinstance(value, str):
         raise ValueError(f"{key}={value!r} must be a string or null")
+    if key in _BOOLS and not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} must be true or false")
+    if key in _FIELD_NAMES and not (isinstance(value, str) and value):
+        raise ValueError(f"{key}={value!r} must be a record field's name")
+    if key == "eval_every" and not isinstance(value, int):
+        raise ValueError(f"eval_every={value!r} must be a non-negative int")
+    if key == "eval_fraction" and value is not None and not (is_number and 0 < value < 1):
+        raise ValueError(f"eval_fraction={value!r} must be a number between 0 and 1 or null")
     if key == "resources_per_worker" and value is not None:
         if not isinstance(value, Mapping) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
@@ -390,13 +447,61 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         # the checkpoint exists, LoRA targets match, its shapes fit the layout: before Ray starts
         found = model.check()
         errors += found or _pretrained_layout_errors(model, dist, built.get("scaling"))
-    if isinstance(model, PretrainedModelConfig) and data is not None and data.source != "corpus":
-        errors.append("model.pretrained trains on data.source='corpus' (its tokenizer's ids)")
     if built.get("run") is not None:
         errors += storage_errors(built["run"].storage_path)
-    if data is not None and data.source == "ray_data" and data.path is None:
+    if data is not None:
+        errors += data_errors(data, model, train)
+    return errors
+
+
+def data_errors(data: DataOptions, model, train: TrainOptions | None) -> list[str]:
+    """The ``data:`` section against the model and ``train.eval_every``
+    (keys only; the records themselves are read by ``sft_input_errors``)."""
+    errors = []
+    pretrained = isinstance(model, PretrainedModelConfig)
+    if data.is_sft:
+        if model is not None and not pretrained:
+            errors.append(
+                f"data.format={data.format!r} needs model.pretrained: records are rendered "
+                "with its tokenizer's chat template (the byte-level model has none)"
+            )
+        if data.path is None:
+            errors.append(f"data.format={data.format!r} needs data.path (JSONL or parquet)")
+        for key in ("path", "eval_path"):
+            path = getattr(data, key)
+            if path is not None and "://" not in path and not os.path.exists(path):
+                errors.append(f"data.{key}={path!r} is not a file or directory")
+        if data.eval_path is not None and data.eval_fraction is not None:
+            errors.append(
+                f"data.eval_path={data.eval_path!r} and data.eval_fraction={data.eval_fraction}: "
+                "choose one held-out set"
+            )
+    elif data.has_eval:
+        key = "eval_path" if data.eval_path is not None else "eval_fraction"
+        errors.append(
+            f"data.{key} with data.format='text': evaluation runs on chat / "
+            "prompt_completion records"
+        )
+    if train is not None and train.eval_every and not data.has_eval:
+        errors.append(
+            f"train.eval_every={train.eval_every} needs a held-out set: data.eval_path or "
+            "data.eval_fraction"
+        )
+    return errors + ([] if data.is_sft else _text_errors(data, pretrained))
+
+
+def _text_errors(data: DataOptions, pretrained: bool) -> list[str]:
+    """``format: text``: its source and path."""
+    errors = []
+    if pretrained and data.source != "corpus":
+        errors.append(
+            "model.pretrained with data.format='text' trains on data.source='corpus' (its "
+            "tokenizer's ids); for JSONL / parquet records use data.format chat or "
+            "prompt_completion"
+        )
+    if data.source == "ray_data" and data.path is None:
         errors.append("data.source='ray_data' needs data.path (files or a directory of text)")
-    if data is not None and data.source == "corpus" and data.path is not None:
+    if data.source == "corpus" and data.path is not None:
         if "://" not in data.path and not os.path.isfile(data.path):
             errors.append(f"data.path={data.path!r} is not a file")
     return errors
@@ -426,8 +531,11 @@ def _context_parallel_errors(dist, model, data, scaling) -> list[str]:
                 "attention takes no mask, so packed rows would attend across documents; "
                 "use ulysses"
             )
-        if not isinstance(model, ModelConfig) or data.source != "corpus":
-            errors.append("data.packing needs the byte-level model and data.source='corpus'")
+        if not data.is_sft and (not isinstance(model, ModelConfig) or data.source != "corpus"):
+            errors.append(
+                "data.packing with data.format='text' needs the byte-level model and "
+                "data.source='corpus'; a pretrained model packs chat / prompt_completion records"
+            )
     if cp == 1:
         return errors
     parts = 2 * cp if ring else cp

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import ray_fsdp_backend as rfb
+from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens
 from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, quiet_console
@@ -51,6 +52,7 @@ from ray_fsdp_backend.trainer.data import (
     ShardedBatches,
     load_corpus,
 )
+from ray_fsdp_backend.trainer.evaluation import evaluate
 from ray_fsdp_backend.trainer.model import Transformer
 from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
@@ -58,6 +60,7 @@ from ray_fsdp_backend.trainer.pretrained import (
     tokenize_corpus,
 )
 from ray_fsdp_backend.trainer.seeding import seed_step
+from ray_fsdp_backend.trainer.sft_data import EVAL_DATASET, SftBatches, eval_batches
 from ray_fsdp_backend.trainer.spec import RunSpec, TrainOptions, build_spec
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a
@@ -100,6 +103,8 @@ class TrainRun:
     board: TensorBoardWriter | None = None
     router: Any = None
     """A mixture-of-experts model's :class:`RouterStats` (no hooks on a dense one)."""
+    held_out: Any = None
+    """The held-out dataset (``data.eval_path`` / ``eval_fraction``), whole on every rank."""
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -125,8 +130,12 @@ def run_training(
         result = train_step(ctx, run.model, run.optimizer, run.batches, spec, run.meter)
         run.skipped += result.skipped
         run.schedule.step()
-        if is_logged(step, run.start_step, spec.train) or run.checkpoints.due(step):
-            log_step(ctx, spec, run, step, result)
+        eval_loss = None
+        if run.held_out is not None and is_eval_step(step, spec.train):
+            eval_loss = held_out_loss(ctx, run.model, spec, run.held_out)
+        logged = is_logged(step, run.start_step, spec.train) or eval_loss is not None
+        if logged or run.checkpoints.due(step):
+            log_step(ctx, spec, run, step, result, eval_loss)
         if on_step is not None:
             on_step(step)
     if run.board is not None:
@@ -184,6 +193,7 @@ def setup_run(
         skipped_logged=skipped,
         board=board,
         router=ctx.router_stats(model),
+        held_out=ray.train.get_dataset_shard(EVAL_DATASET) if spec.data.has_eval else None,
     )
 
 
@@ -193,10 +203,34 @@ def is_logged(step: int, start_step: int, opts: TrainOptions) -> bool:
     return step % opts.log_every == 0 or step in (start_step + 1, opts.steps)
 
 
-def log_step(ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult) -> dict:
-    """Report ``step``'s metrics (and save a checkpoint when one is due).
-    Collective: every rank reaches it at the same steps. The step's device
-    scalars cross to the host here, in one copy (``StepMeter.measure``)."""
+def is_eval_step(step: int, opts: TrainOptions) -> bool:
+    """Whether the held-out loss is measured after ``step``: every
+    ``eval_every`` steps (0: never) and after the last."""
+    return step == opts.steps or (opts.eval_every > 0 and step % opts.eval_every == 0)
+
+
+def held_out_loss(ctx, model: nn.Module, spec: RunSpec, dataset) -> float:
+    """The token-mean loss over the whole held-out set, each dp rank its
+    share, through :func:`token_loss_sum` (the training step's loss)."""
+
+    def sums(rows):
+        batch = ctx.shard_sequence(as_batch(rows, ctx.device))
+        with ctx.sequence_region(), ctx.loss_parallel():
+            token_sum, _ = token_loss_sum(ctx, model, batch, spec)
+        return local_value(token_sum), count_valid_tokens(batch["targets"])
+
+    micro = spec.train.micro_batch_size
+    rows = dataset.iter_torch_batches(batch_size=micro * ctx.dp_size, drop_last=False)
+    return evaluate(model, eval_batches(rows, micro, ctx.dp_rank, ctx.dp_size), sums, ctx.device)
+
+
+def log_step(
+    ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult, eval_loss=None
+) -> dict:
+    """Report ``step``'s metrics (and save a checkpoint when one is due),
+    with the held-out loss when measured at this step. Collective: every
+    rank reaches it at the same steps. The step's device scalars cross to
+    the host here, in one copy (``StepMeter.measure``)."""
     mean = {"loss": result.loss}
     if result.aux_loss is not None:  # transformers' load-balancing loss, averaged over ranks
         mean["aux_loss"] = result.aux_loss
@@ -206,6 +240,7 @@ def log_step(ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult) -
             step, mean=mean, same={"grad_norm": result.grad_norm, "skipped_steps": run.skipped}
         ),
         **run.router.collect(),  # per-layer expert load over the global batch (docs/moe.md)
+        **({} if eval_loss is None else {"eval_loss": eval_loss}),
         "lr": run.schedule.get_last_lr()[0],
         "data_position": run.batches.position,
         "world_size": ctx.world_size,
@@ -285,18 +320,12 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     total = torch.zeros((), device=ctx.device)
     aux_total = None
     for micro, batch in enumerate(micro_batches):
-        inputs, targets = batch["input_ids"], batch["targets"]
         if meter is not None and ctx.tp_rank == 0:  # a tp group trains one copy of the rows
-            meter.count_tokens(inputs.numel())
+            meter.count_tokens(batch["input_ids"].numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.sequence_region(), ctx.loss_parallel():
-            output = model(inputs, position_ids=model_positions(ctx, spec, batch))
-            logits = getattr(output, "logits", output)  # a transformers model's output
-            aux = getattr(output, "aux_loss", None)  # an MoE's, with output_router_logits
-            token_sum = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
-            )
+            token_sum, aux = token_loss_sum(ctx, model, batch, spec)
             loss = token_sum / count
             loss.backward()
         total += local_value(loss.detach())
@@ -308,6 +337,22 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     skipped = step_if_finite(optimizer, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(total, grad_norm, skipped, aux_total)
+
+
+def token_loss_sum(
+    ctx, model: nn.Module, batch: dict, spec: RunSpec
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss of one micro-batch: the forward and the cross-entropy summed
+    over its valid targets (-100 carries none), with an MoE model's
+    auxiliary loss (else None). The one loss function: the training step
+    divides it by ``ctx.global_token_count``, evaluation by the held-out
+    set's token count."""
+    output = model(batch["input_ids"], position_ids=model_positions(ctx, spec, batch))
+    logits = getattr(output, "logits", output)  # a transformers model's output
+    aux = getattr(output, "aux_loss", None)  # an MoE's, with output_router_logits
+    targets = batch["targets"]
+    token_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return token_sum, aux
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:
@@ -380,6 +425,8 @@ def lr_factor(step: int, opts: TrainOptions) -> float:
 def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
     """This rank's micro-batch stream: the sharded corpus, or its Ray Data shard."""
     opts, seq_len = spec.train, spec.model.seq_len
+    if spec.data.is_sft:  # rfb.sft_dataset rows, built on the driver
+        return SftBatches(ray.train.get_dataset_shard("train"), opts.micro_batch_size, dp_size)
     if spec.data.source == "ray_data":
         shard = ray.train.get_dataset_shard("train")
         return RayDataBatches(shard, opts.micro_batch_size, dp_size)

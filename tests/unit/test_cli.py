@@ -30,6 +30,7 @@ NAMES = [
     "finetune_lora",
     "moe_ep",
     "finetune_qlora",
+    "sft_chat",
 ]
 
 
@@ -47,17 +48,27 @@ def test_validate_accepts_every_example(capsys, tmp_path):
     """Every example validates once the checkpoint its header makes exists
     (``model.pretrained`` is checked for a ``config.json``)."""
     pytest.importorskip("transformers")
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
 
-    kinds = {"rfb-tiny-llama": "llama", "rfb-tiny-llama-qlora": "llama_qlora",
-             "rfb-tiny-qwen3-moe": "qwen3_moe"}  # fmt: skip
+    kinds = {  # basename: (kind, chat template)
+        "rfb-tiny-llama": ("llama", False),
+        "rfb-tiny-qwen3-moe": ("qwen3_moe", False),
+        "rfb-tiny-llama-qlora": ("llama_qlora", False),
+        "rfb-tiny-chat": ("llama", True),
+    }
+    chat = save_tiny_chat_data(tmp_path / "chat")
     configs = []
     for config in CONFIGS:
         doc = load_yaml(config)
         if "pretrained" in doc["model"]:
             # the kind its header makes: the static check reads its shapes
-            kind = kinds[os.path.basename(doc["model"]["pretrained"])]
-            doc["model"]["pretrained"] = save_tiny_pretrained(kind, tmp_path / kind)
+            name = os.path.basename(doc["model"]["pretrained"])
+            kind, chat_template = kinds[name]
+            path = save_tiny_pretrained(kind, tmp_path / name, chat=chat_template)
+            doc["model"]["pretrained"] = path
+        if doc.get("data", {}).get("format") == "chat":  # the records its header writes
+            doc["data"] |= {"path": chat["train"], "eval_path": chat["eval"]}
+        if "pretrained" in doc["model"]:
             config = tmp_path / config.name
             config.write_text(yaml.safe_dump(doc))
         configs.append(str(config))

@@ -215,14 +215,24 @@ def test_tensor_parallel_heads_of_an_hf_model(tmp_path, capsys, configs, no_ray)
 def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, configs):
     """Each example as written, its export already there (a second run):
     only the checkpoints the examples' comments create are stood in for."""
-    stand_in = {"rfb-tiny-llama": "llama", "rfb-tiny-llama-qlora": "llama_qlora",
-                "rfb-tiny-qwen3-moe": "qwen3_moe"}  # fmt: skip
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+
+    stand_in = {
+        "rfb-tiny-llama": configs["llama"],
+        "rfb-tiny-llama-qlora": configs["llama_qlora"],
+        "rfb-tiny-qwen3-moe": configs["qwen3_moe"],
+        # sft_chat's records are rendered on the driver: a real tokenizer and records
+        "rfb-tiny-chat": save_tiny_pretrained("llama", tmp_path / "chat", chat=True),
+    }
+    chat = save_tiny_chat_data(tmp_path / "chat" / "records")
     checked = 0
     for example in sorted(EXAMPLES.glob("*.yaml")):
         doc = load_yaml(example)
         model = doc.get("model") or {}
         if "pretrained" in model:
-            model["pretrained"] = configs[stand_in[Path(model["pretrained"]).name]]
+            model["pretrained"] = stand_in[Path(model["pretrained"]).name]
+        if (doc.get("data") or {}).get("format") == "chat":
+            doc["data"] |= {"path": chat["train"], "eval_path": chat["eval"]}
         if model.get("export"):
             export = tmp_path / example.stem / "export"
             export.mkdir(parents=True)
@@ -232,7 +242,7 @@ def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, 
         path = tmp_path / example.name
         path.write_text(yaml.safe_dump(doc))
         assert main(["validate", str(path)]) == 0, (example.name, capsys.readouterr().out)
-    assert checked == 4  # finetune_hf, finetune_lora, finetune_qlora, moe_ep
+    assert checked == 5  # finetune_hf, finetune_lora, finetune_qlora, moe_ep, sft_chat
 
 
 def test_storage_path_is_checked_before_ray(tmp_path, s3_server, monkeypatch):
