@@ -113,3 +113,27 @@ def conversations() -> list[list[dict]]:
             {"role": "user", "content": "thanks"},
         ],
     ]
+
+
+WORDS = "alpha beta gamma delta river stone cloud seven green quiet north bright".split()
+
+
+def random_conversations(count: int, seed: int = 0) -> list[list[dict]]:
+    """``count`` distinct conversations of mixed lengths (1-3 exchanges, a
+    system prompt in some), each numbered in its first user message."""
+    import random
+
+    rng = random.Random(seed)
+
+    def words(lo, hi):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    out = []
+    for i in range(count):
+        messages = [{"role": "system", "content": words(2, 6)}] if i % 3 == 0 else []
+        for turn in range(rng.randint(1, 3)):
+            prefix = f"#{i} " if turn == 0 else ""
+            messages.append({"role": "user", "content": prefix + words(1, 12)})
+            messages.append({"role": "assistant", "content": words(1, 20)})
+        out.append(messages)
+    return out

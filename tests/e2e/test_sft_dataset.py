@@ -1,0 +1,121 @@
+"""``rfb.sft_dataset`` on a local Ray cluster against the tokenizer alone.
+
+One Ray session (2 CPUs) for the module. Every row is ``seq_len`` long; the
+documents cut out of the rows (by their ``position_ids``) are exactly the
+records, each once, each equal to ``apply_chat_template`` of its record, with
+targets exactly on its assistant turns; a parquet directory on an S3 API on
+loopback reads as a local JSON-lines file does; ``sft_stats`` counts what the
+rows hold.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import ray_fsdp_backend as rfb
+from tests import sft_tokenizers as st
+
+SEQ = 512
+
+
+@pytest.fixture(scope="module")
+def ray_session(s3_server):  # the S3 server first: it sets the workers' AWS environment
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _rows(ds) -> dict[str, np.ndarray]:
+    rows = ds.take_all()
+    return {k: np.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+
+
+def _documents(rows):
+    """``(input_ids, labels)`` of every document in the rows, padding included."""
+    docs = []
+    for ids, labels, positions in zip(*rows.values(), strict=True):
+        starts = np.flatnonzero(positions == 0).tolist() + [len(positions)]
+        docs += [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:], strict=False)]
+    return docs
+
+
+def _check_chat_rows(rows, conversations, template, pad_id):
+    tok = st.tokenizer(template)
+    assert all(v.shape[1] == SEQ for v in rows.values())
+    references = {tuple(st.reference_ids(tok, m)): m for m in conversations}
+    seen = []
+    for ids, labels in _documents(rows):
+        if (ids == pad_id).all() and (labels == -100).all():
+            continue  # padding
+        messages = references[tuple(ids.tolist())]  # KeyError: not a record's tokens
+        seen.append(tuple(ids.tolist()))
+        runs = [
+            tok(m["content"] + st.TURN_END[template], add_special_tokens=False)["input_ids"]
+            for m in messages
+            if m["role"] == "assistant"
+        ]
+        targets = [t for t in labels.tolist() if t != -100]
+        assert targets == [t for run in runs for t in run]
+        assert labels[0] == -100
+        assert ((labels == ids) | (labels == -100)).all()
+    assert sorted(seen) == sorted(references)  # every record exactly once
+
+
+def test_chat_jsonl_directory_packed(ray_session, tmp_path):
+    conversations = st.random_conversations(300, seed=1)
+    for part in range(2):
+        with open(tmp_path / f"part-{part}.jsonl", "w") as f:
+            for messages in conversations[part::2]:
+                f.write(json.dumps({"messages": messages, "id": 1}) + "\n")
+    tok = st.tokenizer("chatml")
+    rows = _rows(rfb.sft_dataset(tmp_path, tok, seq_len=SEQ))
+    _check_chat_rows(rows, conversations, "chatml", tok.pad_token_id)
+    stats = rfb.sft_stats(tmp_path, tok, format="chat", seq_len=SEQ)
+    assert stats["records"] == stats["documents"] == 300
+    assert stats["rows"] == len(rows["input_ids"])
+    assert stats["targets"] == int((rows["labels"] != -100).sum())
+    assert stats["padding_fraction"] < 0.05, stats
+
+
+def test_chat_parquet_on_s3_unpacked(ray_session, s3_server):
+    fs = s3_server.filesystem()
+    fs.create_dir("sft-data")
+    conversations = st.random_conversations(40, seed=2)
+    table = pa.Table.from_pylist([{"conv": m} for m in conversations])
+    pq.write_table(table, "sft-data/train/a.parquet", filesystem=fs, row_group_size=16)
+    tok = st.tokenizer("llama3")
+    ds = rfb.sft_dataset(
+        "sft-data/train", tok, seq_len=SEQ, packing=False, messages_field="conv", filesystem=fs
+    )
+    rows = _rows(ds)
+    assert len(rows["input_ids"]) == 40  # one record a row
+    _check_chat_rows(rows, conversations, "llama3", tok.pad_token_id)
+
+
+def test_text_records_split_and_prompt_completion(ray_session, tmp_path):
+    tok = st.tokenizer(None)
+    long_text = " ".join(st.WORDS * 60)
+    pq.write_table(
+        pa.Table.from_pylist([{"text": long_text}, {"text": "short one"}]), tmp_path / "t.parquet"
+    )
+    rows = _rows(rfb.sft_dataset(tmp_path / "t.parquet", tok, format="text", seq_len=64))
+    tokens = [ids for ids, labels in _documents(rows) if (labels != -100).any()]
+    expected = tok(long_text)["input_ids"] + [tok.eos_token_id]
+    long_pieces = [expected[a : a + 64] for a in range(0, len(expected), 64)]
+    short = tok("short one")["input_ids"] + [tok.eos_token_id]
+    assert sorted(t.tolist() for t in tokens) == sorted([*long_pieces, short])
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text(json.dumps({"prompt": "Q: 1+1=", "completion": " 2"}) + "\n")
+    rows = _rows(rfb.sft_dataset(pc, tok, format="prompt_completion", seq_len=16))
+    targets = [t for t in rows["labels"][0].tolist() if t != -100]
+    assert tok.decode(targets) == " 2<eos>"
