@@ -18,7 +18,8 @@ rank; before a child whose input is replicated and after a child whose
 output is replicated (and when the block returns) the shared state is put
 back. The draw advances the shared generator alike on every tp rank, the
 forked draws never touch it, and activation checkpointing, which replays
-the shared state, replays the same forks.
+the shared state, replays the same forks. Blocks without dropout get no
+hooks; in compiled blocks the fork and join are graph breaks.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ShardedDropoutRNG:
         self.tp_rank = tp_rank
         self._shared: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
+    @torch.compiler.disable  # generator state is host-side: a graph break, not a trace
     def fork(self) -> None:
         """Enter this rank's stream (a no-op when already in it)."""
         if self._shared is not None:
@@ -53,6 +55,7 @@ class ShardedDropoutRNG:
         if cuda is not None:
             torch.cuda.manual_seed(mixed)
 
+    @torch.compiler.disable
     def join(self) -> None:
         """Back to the shared state (a no-op when not forked)."""
         if self._shared is None:
@@ -77,8 +80,10 @@ def apply_sharded_dropout(
     children (``styles``: module name to plan style name) so randomness
     between a split-output child and the next replicated input draws from
     this tp rank's own stream (module docstring)."""
-    rng = ShardedDropoutRNG(tp_rank)
     modules = dict(model.named_modules())
+    if not any(has_dropout(modules[name]) for name in blocks):
+        return  # nothing random in the split region: no hooks (compiled blocks stay whole)
+    rng = ShardedDropoutRNG(tp_rank)
     for name in blocks:
         modules[name].register_forward_hook(lambda *_: rng.join(), always_call=True)
     for name, style in styles.items():
@@ -92,6 +97,16 @@ def apply_sharded_dropout(
             # replicated output (row-wise): the shared stream, as one process
             modules[name].register_forward_pre_hook(_join_unless_sharded_input(rng, style))
             modules[name].register_forward_hook(lambda *_: rng.join(), always_call=True)
+
+
+def has_dropout(block: nn.Module) -> bool:
+    """Whether ``block`` may draw random numbers: a dropout module with
+    ``p > 0``, or an attention whose ``attention_dropout`` (transformers'
+    attribute, passed to its attention function in train mode) is not 0."""
+    return any(
+        isinstance(m, nn.Dropout) and m.p > 0 or bool(getattr(m, "attention_dropout", 0.0))
+        for m in block.modules()
+    )
 
 
 def _join_unless_sharded_input(rng: ShardedDropoutRNG, style: str):
