@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.ring import ring_region
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard_sequence
+from ray_fsdp_backend.seeding import seed_step
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.peft import peft_configs
 from ray_fsdp_backend.topology import CP_AXIS, EP_AXIS, TP_AXIS, MeshLayout, Topology
@@ -129,6 +130,17 @@ class TrainContext:
         :func:`~ray_fsdp_backend.context_parallel.sequence.shard_sequence`."""
         ring = self.strategy.cp_backend == "ring"
         return shard_sequence(batch, self.cp_rank, self.cp_size, load_balance=ring)
+
+    def seed_step(self, seed: int, step: int) -> None:
+        """Seed this rank's generators for ``step`` as ``ray-fsdp train`` does
+        every step: from ``seed``, ``step`` and this rank's dp and cp
+        coordinates, so ranks holding different tokens draw different dropout
+        masks even when every rank was seeded alike, the ranks of a tp group
+        draw alike (attention heads a tp rank holds alone draw apart), and a
+        resumed run draws at ``step`` what an uninterrupted one does. Call it
+        at the start of each step, after the model is built (its
+        initialisation uses ``seed`` alone). See docs/parallelism.md."""
+        seed_step(self, seed, step)
 
     def sequence_region(self) -> AbstractContextManager:
         """Run each micro-batch's forward *and* backward inside it: with

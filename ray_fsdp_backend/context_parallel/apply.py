@@ -14,7 +14,10 @@ Two kinds of model are recognised:
   even in train mode (a packed row would attend across documents).
   A name that transformers has no mask function for makes it pass no mask:
   the Ulysses function finds the documents itself from the gathered
-  ``position_ids`` and attends within each (no mask tensor).
+  ``position_ids`` and attends within each (no mask tensor). Inputs that
+  would compute something else on a shard (``labels`` transformers would
+  shift again, a left-padding mask, no ``position_ids``) are refused before
+  the forward (:mod:`.inputs`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
+from ray_fsdp_backend.context_parallel.inputs import install_input_checks
 from ray_fsdp_backend.context_parallel.ring import ring_causal_attention
-from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens
+from ray_fsdp_backend.context_parallel.sequence import HF_SHIFTED_LABELS, count_valid_tokens
 from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention
 
 HF_ATTENTION_NAME = "ray_fsdp_ulysses"
@@ -47,6 +51,11 @@ REFUSED_HF_KWARGS = frozenset({"attention_chunk_size", "position_bias", "chunk_s
 kernel does not compute. Any other tensor argument but ``position_ids`` is
 refused too; plain flags (``output_router_logits``, ``use_cache``, ...)
 flow through the model's ``**kwargs`` and change nothing here."""
+
+PASSED_HF_KWARGS = frozenset({"position_ids", HF_SHIFTED_LABELS, "num_items_in_batch"})
+"""Tensor arguments that reach the attention through a transformers model's
+``**kwargs`` and are not the attention's: ``position_ids`` (read here),
+and the loss's ``shift_labels`` / ``num_items_in_batch`` (ignored here)."""
 
 
 def hf_ulysses_attention(
@@ -76,7 +85,8 @@ def hf_ulysses_attention(
     ``attention_mask`` is None for this registered name (transformers builds
     no mask for it; the mask is built from the gathered positions instead);
     padding belongs at a row's end with label ``-100``, where causal
-    attention never lets a real token see it.
+    attention never lets a real token see it (a mask that hides earlier
+    tokens is refused before the forward: :mod:`.inputs`).
 
     Raises:
         ValueError: an argument this kernel does not compute (never dropped
@@ -85,7 +95,8 @@ def hf_ulysses_attention(
     unknown = {
         k: v
         for k, v in kwargs.items()
-        if v is not None and (k in REFUSED_HF_KWARGS or torch.is_tensor(v) and k != "position_ids")
+        if v is not None
+        and (k in REFUSED_HF_KWARGS or torch.is_tensor(v) and k not in PASSED_HF_KWARGS)
     }
     if kwargs.get("is_causal") is False:
         unknown["is_causal"] = False
@@ -245,6 +256,7 @@ def apply_context_parallel(
         for hf_model in hf_models:
             hf_model.set_attn_implementation(HF_ATTENTION_NAME)
         disable_hf_cache(model)
+        install_input_checks(hf_models, group)
     return model
 
 

@@ -34,6 +34,11 @@ IGNORE_INDEX = -100
 SHIFTED_KEYS = ("labels",)
 """Keys that :func:`shard_sequence` shifts one token left before splitting."""
 
+HF_SHIFTED_LABELS = "shift_labels"
+"""transformers' keyword for targets it takes without shifting them again
+(its ``ForCausalLMLoss``, transformers 5.25): :func:`shard_sequence` returns
+the shifted labels under this key too."""
+
 
 def default_position_ids(batch: int, seq: int, device=None) -> torch.Tensor:
     """``0 .. seq-1`` for every row: the positions of unpacked rows."""
@@ -99,7 +104,11 @@ def shard_sequence(
     whose first two dims are ``[batch, seq]`` are split along dim 1; anything
     else passes through unchanged. ``labels`` (unshifted, as transformers
     takes them) are shifted first (:func:`shift_labels`), so the shard's loss
-    is ``cross_entropy(logits, labels)`` without a further shift.
+    is ``cross_entropy(logits, labels)`` without a further shift; the same
+    tensor is returned as ``shift_labels`` (transformers' keyword for
+    targets it does not shift again), so ``model(**batch)`` of a
+    transformers model computes its loss on the right targets too (a
+    ``shift_labels`` already in ``batch`` is split as it is).
     ``position_ids`` are made when absent (``0 .. seq-1``) and split with the
     tokens, so rotary embeddings and document masks see true positions.
 
@@ -134,6 +143,8 @@ def shard_sequence(
             out[key] = value.index_select(1, index)
         elif key == "position_ids":  # a [1, seq] row broadcast over the batch
             out[key] = position_ids.index_select(1, index)
+    if out.get("labels") is not None and out.get(HF_SHIFTED_LABELS) is None:
+        out[HF_SHIFTED_LABELS] = out["labels"]
     return out
 
 

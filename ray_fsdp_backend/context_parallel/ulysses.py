@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ray_fsdp_backend.context_parallel.attention import (
     DocumentSpans,
+    SpanCache,
     document_attention,
     document_spans,
 )
@@ -86,12 +87,6 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def tensor_version(t: torch.Tensor) -> int | None:
-    """Autograd's version counter of ``t`` (bumped by every in-place write),
-    or None for an inference tensor, which has none."""
-    return None if t.is_inference() else t._version
-
-
 class UlyssesAttention:
     """Causal (document-masked, optionally windowed) attention of
     sequence-sharded ``[batch, heads, seq/cp, d]`` tensors over the whole
@@ -106,26 +101,19 @@ class UlyssesAttention:
     (:func:`~ray_fsdp_backend.context_parallel.attention.document_spans`):
     ``seq`` integers gathered and a list of spans, never a ``seq x seq``
     mask. One instance serves every layer of a model: it keeps the spans of
-    the forward in flight, keyed on the local ``position_ids`` tensor *and
-    its version counter*, so the gather and its one host transfer run once
-    per forward, not once per layer, and a buffer refilled in place for the
-    next batch (which bumps the counter) gets new spans. An inference tensor
-    has no counter: its spans are found again every call.
+    the forward in flight (:class:`~ray_fsdp_backend.context_parallel.attention.SpanCache`,
+    keyed on the local ``position_ids`` tensor and its version counter), so
+    the gather and its one host transfer run once per forward, not once per
+    layer.
     """
 
     def __init__(self, group) -> None:
         self.group = group
-        self._key: tuple[torch.Tensor, int | None] | None = None
-        self._spans: DocumentSpans | None = None
+        self.document_spans = SpanCache(self._gathered_spans)
 
-    def document_spans(self, local: torch.Tensor, rows: int) -> DocumentSpans | None:
+    def _gathered_spans(self, local: torch.Tensor, rows: int) -> DocumentSpans | None:
         """The whole rows' documents (None: one document per row)."""
-        version = tensor_version(local)
-        same = self._key is not None and self._key[0] is local and self._key[1] == version
-        if version is None or not same:
-            self._key = (local, version)
-            self._spans = document_spans(gather_sequence(local, self.group), rows)
-        return self._spans
+        return document_spans(gather_sequence(local, self.group), rows)
 
     def __call__(
         self,

@@ -54,6 +54,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ray_fsdp_backend.strategies.tp_dropout import apply_sharded_dropout
+
 _logger = logging.getLogger(__name__)
 
 COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
@@ -321,6 +323,7 @@ def apply_tensor_parallel(
         sp_norm = options.sequence_parallel and not inside
         styles[name] = SequenceParallel(use_local_output=True) if sp_norm else _ReplicateStyle()
     parallelize_module(model, tp_mesh, styles)
+    apply_sharded_dropout(model, matched, parents, tp_mesh.get_local_rank())
     modules = dict(model.named_modules())
     for name in parents:
         modules[name].register_forward_pre_hook(

@@ -9,7 +9,9 @@ every ``aten::_local_scalar_dense`` (what ``.item()``, ``float()``,
 DTensor) that starts within a non-logged step's span, except those the CPU
 fused AdamW kernel makes (see ``CPU_KERNEL_READS``). Steps 2-4 and 6 do not log
 (``log_every: 5``); step 3 is poisoned (every gradient times inf) and must
-be skipped without a sync. (Compiled blocks: tests/dist/test_compile.py.)
+be skipped without a sync. Packed rows read their document spans once per
+micro-batch's forward, whatever the layer count. (Compiled blocks:
+tests/dist/test_compile.py.)
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ POISONED_CASES = {
     "dmuon": ["train.optimizer=muon", "train.lr=0.02", "distributed.use_dmuon=true",
               "train.micro_batch_size=2"],
 }  # fmt: skip
+# Packed rows read their document spans to the host once per forward (a
+# nonzero, whose output size a device must send to the host; on CPU the
+# profiler shows it as aten::nonzero, not as a scalar read), not once per
+# layer: one per micro-batch.
+PACKED = ["data.packing=true", "train.grad_accum=2", "train.micro_batch_size=2"]
+SPAN_READS_PER_STEP = 2
 # DDP initialises the whole model from the seed on every rank, as one process
 # does (FSDP2 initialises its shards, which differ by world size on CPU).
 DDP = ["distributed.use_fsdp=false", "train.grad_accum=2"]
@@ -106,19 +114,27 @@ def _train(overrides: list[str], *, poison: bool) -> dict:
         spans[STEPS + 1].__exit__(None, None, None)
     events = prof.events()
     windows = {int(e.name[5:]): e.time_range for e in events if e.name.startswith("step_")}
-    syncs = {s: 0 for s in windows}
-    for e in events:
-        if e.name == "aten::_local_scalar_dense" and not _inside(e, CPU_KERNEL_READS):
-            step = next((s for s, w in windows.items() if w.start <= e.time_range.start <= w.end))
-            syncs[step] = syncs.get(step, 0) + 1
+    syncs = _per_step(events, windows, "aten::_local_scalar_dense")
     skipped_unchanged = all(
         torch.equal(a, b) for a, b in zip(params[POISONED - 1], params[POISONED], strict=True)
     )
     return {
         "syncs": syncs,
+        "span_reads": _per_step(events, windows, "aten::nonzero"),
         "history": history,
         "skipped_unchanged": skipped_unchanged,
     }
+
+
+def _per_step(events, windows: dict, name: str) -> dict[int, int]:
+    """How many ``name`` ops start in each step's window (the fused AdamW
+    kernel's own reads left out)."""
+    counts = {s: 0 for s in windows}
+    for e in events:
+        if e.name == name and not _inside(e, CPU_KERNEL_READS):
+            step = next((s for s, w in windows.items() if w.start <= e.time_range.start <= w.end))
+            counts[step] += 1
+    return counts
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -129,6 +145,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 def _ranks(rank: int, world: int) -> dict:
     out = {name: _train(over, poison=True) for name, over in POISONED_CASES.items()}
+    out["packed"] = _train(PACKED, poison=False)
     return out | {"ddp": _train([*DDP, "train.micro_batch_size=2"], poison=False)}
 
 
@@ -143,6 +160,8 @@ def test_the_loop_never_syncs_outside_logged_steps_and_matches_one_process():
         non_logged = {s: case["syncs"][s] for s in NON_LOGGED}
         assert non_logged == {s: 0 for s in NON_LOGGED}, (name, case["syncs"])
         assert case["syncs"][0] == 1, name  # the probe's float(tensor) is counted
+    span_reads = {s: got["packed"]["span_reads"][s] for s in NON_LOGGED}
+    assert span_reads == {s: SPAN_READS_PER_STEP for s in NON_LOGGED}, got["packed"]["span_reads"]
     for name in POISONED_CASES:
         case = got[name]
         assert case["skipped_unchanged"], name  # parameters as before the poisoned step

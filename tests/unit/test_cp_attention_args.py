@@ -205,3 +205,28 @@ def test_ring_refuses_transformers_models_by_name_before_anything_moves():
     with pytest.raises(ValueError, match="ring.*MistralForCausalLM.*sliding_window, softcap"):
         check_context_parallel(model, "ring")
     assert check_context_parallel(model, "ulysses").value == "ulysses"
+
+
+def _saved_storages(fn, *inputs) -> list[torch.Tensor]:
+    """One tensor per distinct storage autograd saves for ``fn``'s backward."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs).sum().backward()
+    return list(seen.values())
+
+
+def test_window_chunks_and_documents_share_one_saved_bias_per_shape():
+    """8 chunks of 64 in each of 2 packed documents: SDPA saves a mask's
+    float form per call; the biases are built once per shape (the first
+    chunk's, the inner chunks'), so 2 are saved, not 16."""
+    seq, window = 1024, 64
+    q, k, v = (torch.randn(1, 2, seq, 8, requires_grad=True) for _ in range(3))
+    spans = [([0], [(0, seq // 2), (seq // 2, seq)])]
+    saved = _saved_storages(lambda *t: document_attention(*t, spans, window=window), q, k, v)
+    biases = [t for t in saved if t.ndim == 2 and t.is_floating_point()]
+    assert sorted(tuple(b.shape) for b in biases) == [(64, 64), (64, 127)]
