@@ -10,6 +10,18 @@ started on first use and kept across the test modules that share it:
   subprocess (``ray-fsdp train``) to join as ``RAY_ADDRESS`` instead of
   starting a cluster of its own (``ray_env`` builds that environment).
 
+In a new end-to-end module::
+
+    def test_fit(ray_local, tmp_path):        # in-process Ray Train
+        result = TorchTrainer(...).fit()
+
+    def test_command(ray_address, tmp_path):  # a driver in a subprocess joins it
+        subprocess.run([sys.executable, "-m", "ray_fsdp_backend.cli", "train", ...],
+                       env=ray_env(ray_address), check=True)
+
+A module that needs a fresh or differently shaped cluster asks for neither and
+starts (and shuts down) its own.
+
 A test that needs none of them gets no cluster: before it runs, the shared one
 is shut down (:func:`pytest_runtest_setup`), so a module that starts its own
 (``ray.cluster_utils.Cluster``, ``ray start --head``, a ``ray-fsdp train``
