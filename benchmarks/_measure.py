@@ -107,3 +107,20 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 def full_param_bytes(model: nn.Module) -> int:
     """Bytes of all (unsharded) parameters, each tied weight once."""
     return sum(p.numel() * p.element_size() for p in unique_params(model))
+
+
+def run_sides(run_ranks, on_rank, world: int, path: str, sides, *args, one_spawn: bool = False):
+    """``{side: on_rank(rank, world, path, side, *args)}`` (rank 0's result).
+
+    One spawned job per side, so that each side's memory high-water mark is
+    its own (a process's cannot be reset); with ``one_spawn`` (the ``--quick``
+    smoke run) every side runs in one job, in order: a spawn per world size
+    instead of one per side, its peaks no longer isolated (the smoke run
+    checks what the tensors hold, never the peaks)."""
+    if one_spawn:
+        return run_ranks(_sides_on_rank, world, on_rank, path, tuple(sides), args)
+    return {side: run_ranks(on_rank, world, path, side, *args) for side in sides}
+
+
+def _sides_on_rank(rank: int, world: int, on_rank, path: str, sides: tuple, args: tuple) -> dict:
+    return {side: on_rank(rank, world, path, side, *args) for side in sides}

@@ -5,8 +5,9 @@ full_shard) is trained three ways: every parameter (**full**), and LoRA
 adapters of rank 8 and 64 on ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
 over the frozen base (``alpha = 2 r``), and QLoRA r 8 (the same adapters
 over the base loaded with ``quantize="nf4"``). Each side runs in its own spawned
-job per world size (a process's memory high-water mark cannot be reset), in
-alternating order. Per rank (the largest over ranks): model-state bytes
+job per world size (a process's memory high-water mark cannot be reset;
+``--quick`` runs them in one job, its peaks not isolated), in alternating
+order. Per rank (the largest over ranks): model-state bytes
 (parameters, gradients, optimizer state, read off the tensors; the frozen
 base's bytes with NF4 codes and scales counted as stored), the peak
 resident set the training steps add, the median step time, and the bytes
@@ -108,13 +109,17 @@ def _same_dir(local: str) -> str:
     return box[0]
 
 
-def run(run_ranks, worlds, dim, layers, vocab, steps, batch, seq) -> dict:
-    """Every side at each world size; ``run_ranks`` is the gloo harness."""
+def run(run_ranks, worlds, dim, layers, vocab, steps, batch, seq, one_spawn=False) -> dict:
+    """Every side at each world size; ``run_ranks`` is the gloo harness;
+    ``one_spawn``: all sides in one job per world size (:func:`_measure.run_sides`)."""
     with tempfile.TemporaryDirectory() as root:
         path, size = make_checkpoint(dim, layers, vocab, root, multiple_of=256)
         rows = []
         for i, world in enumerate(worlds):
             order = list(SIDES) if i % 2 == 0 else list(reversed(SIDES))
-            got = {s: run_ranks(on_rank, world, path, s, steps, batch, seq) for s in order}
+            args = (steps, batch, seq)
+            got = _measure.run_sides(
+                run_ranks, on_rank, world, path, order, *args, one_spawn=one_spawn
+            )
             rows.append({"world_size": world, **{s: got[s] for s in SIDES}})
     return {"params": size // 2, "batch": batch, "seq": seq, "rows": rows}

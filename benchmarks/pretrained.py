@@ -7,8 +7,9 @@ full_shard), ``load_pretrained``: each rank reads the byte ranges it owns.
 rank (the whole model in host memory), then ``wrap``.
 
 Each side runs in its own spawned job per world size (a process's memory
-high-water mark cannot be reset), A and B alternating. Peak host memory is
-the largest resident set a background thread sees during the load, minus the
+high-water mark cannot be reset; ``--quick`` runs them in one job, its peaks
+not isolated), A and B alternating. Peak host memory is the largest
+resident set a background thread sees during the load, minus the
 resident set just before it: what the load adds, per rank. Time is from
 before the model is built to the end of the load, on the slowest rank; the
 load repeats ``reps`` times in the job and the median is reported.
@@ -124,14 +125,17 @@ def make_checkpoint(
     return path, size
 
 
-def run(run_ranks, worlds, dim, layers, vocab, reps) -> dict:
-    """Both sides at each world size; ``run_ranks`` is the gloo harness."""
+def run(run_ranks, worlds, dim, layers, vocab, reps, one_spawn=False) -> dict:
+    """Both sides at each world size; ``run_ranks`` is the gloo harness;
+    ``one_spawn``: both sides in one job per world size (:func:`_measure.run_sides`)."""
     with tempfile.TemporaryDirectory() as root:
         path, size = make_checkpoint(dim, layers, vocab, root)
         params = size // 2
         rows = []
         for i, world in enumerate(worlds):
             order = ("ours", "full") if i % 2 == 0 else ("full", "ours")
-            got = {side: run_ranks(on_rank, world, path, side, reps) for side in order}
+            got = _measure.run_sides(
+                run_ranks, on_rank, world, path, order, reps, one_spawn=one_spawn
+            )
             rows.append({"world_size": world, **got})
     return {"checkpoint_bytes": size, "params": params, "fp32_bytes": 4 * params, "rows": rows}

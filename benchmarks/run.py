@@ -104,10 +104,13 @@ SETTINGS = {
         "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
         "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
-        "pretrained": dict(worlds=(2,), dim=64, layers=2, vocab=512, reps=1),
+        # One spawn per world size for all sides (_measure.run_sides): peaks not isolated.
+        "pretrained": dict(worlds=(2,), dim=64, layers=2, vocab=512, reps=1, one_spawn=True),
         "checkpoint_io": dict(worlds=(2,), model=TINY, reps=1, steps=2),
         # dim 256: every shard of every linear weight a multiple of NF4's 64 x 256 (QLoRA)
-        "lora": dict(worlds=(2,), dim=256, layers=2, vocab=512, steps=1, batch=2, seq=16),
+        "lora": dict(
+            worlds=(2,), dim=256, layers=2, vocab=512, steps=1, batch=2, seq=16, one_spawn=True
+        ),
         "tensor_parallel": dict(world=4, model=TINY, batch=4, reps=2, steps=1),
         "hf_s3": dict(worlds=(2,), dim=64, layers=2, vocab=512, latency_s=0.03, baseline=None),
     },

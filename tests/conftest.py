@@ -1,4 +1,37 @@
-"""Shared fixtures: one local Ray cluster per test module that asks for it."""
+"""Shared fixtures.
+
+Ray: ONE local cluster per pytest process (each ``-n 2`` worker has its own),
+started on first use and kept across the test modules that share it:
+
+- ``ray_local`` (module scope): the shared cluster, this process connected to
+  it (``ray.init`` done); use it for in-process ``TorchTrainer(...).fit()``
+  and Ray Data. Leave it running: do not call ``ray.shutdown()``.
+- ``ray_address`` (module scope): the same cluster's address, for a
+  subprocess (``ray-fsdp train``) to join as ``RAY_ADDRESS`` instead of
+  starting a cluster of its own (``ray_env`` builds that environment).
+
+In a new end-to-end module::
+
+    def test_fit(ray_local, tmp_path):        # in-process Ray Train
+        result = TorchTrainer(...).fit()
+
+    def test_command(ray_address, tmp_path):  # a driver in a subprocess joins it
+        subprocess.run([sys.executable, "-m", "ray_fsdp_backend.cli", "train", ...],
+                       env=ray_env(ray_address), check=True)
+
+A module that needs a fresh or differently shaped cluster asks for neither and
+starts (and shuts down) its own.
+
+A test that needs none of them gets no cluster: before it runs, the shared one
+is shut down (:func:`pytest_runtest_setup`), so a module that starts its own
+(``ray.cluster_utils.Cluster``, ``ray start --head``, a ``ray-fsdp train``
+without ``RAY_ADDRESS``, the benchmarks' ``ray.init``) never runs beside it in
+the same process. Two clusters can still run at once, one per pytest worker
+(as before): each keeps its own dashboard so that Train V2's placement-group
+cleaner asks its own State API (see :func:`_start_shared`).
+
+S3: ``s3_server`` (session scope), a moto server on loopback (:func:`moto_server`).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +44,14 @@ import pytest
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+#: Logical CPUs of the shared cluster: 4 Train workers plus one for Ray Data tasks.
+RAY_CPUS = 5
+RAY_FIXTURES = ("ray_local", "ray_address")
+_shared: dict[str, str] = {}  # "address" while this process's shared cluster runs
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A fresh local Ray cluster for the module, shut down afterwards.
+
+def _start_shared():
+    """Start (once) and connect to this process's shared local cluster.
 
     ``address="local"`` always starts a new cluster, so a cluster left behind by
     another run on this machine is never joined by mistake. The dashboard stays
@@ -25,11 +62,54 @@ def ray_local():
     """
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=True, log_to_driver=False)
-    try:
-        yield ray
-    finally:
+    if "address" not in _shared or not ray.is_initialized():
+        _stop_shared()
+        context = ray.init(
+            address="local", num_cpus=RAY_CPUS, include_dashboard=True, log_to_driver=False
+        )
+        _shared["address"] = context.address_info["address"]
+    return ray
+
+
+def _stop_shared() -> None:
+    if _shared.pop("address", None) is not None:
+        import ray
+
         ray.shutdown()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Shut the shared cluster down before a test that does not ask for it."""
+    if _shared and not set(RAY_FIXTURES) & set(item.fixturenames):
+        _stop_shared()
+
+
+def pytest_sessionfinish(session):
+    _stop_shared()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """This process's shared local Ray cluster, connected (see the module docstring)."""
+    return _start_shared()
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> str:
+    """The shared cluster's address, for a subprocess's ``RAY_ADDRESS``."""
+    _start_shared()
+    return _shared["address"]
+
+
+def ray_env(address: str | None, **extra: str) -> dict[str, str]:
+    """``os.environ`` for a subprocess driver: ``RAY_ADDRESS`` set to ``address``
+    (the shared cluster, joined), or removed when ``None`` (the subprocess starts
+    its own cluster, never a stale one), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if address is not None:
+        env["RAY_ADDRESS"] = address
+    return {**env, **extra}
 
 
 class S3Server:

@@ -248,11 +248,11 @@ def apply_context_parallel(
         if isinstance(module, ContextParallelAttention):
             module.attention_fn = kernel
     if hf_models:
-        from transformers import AttentionInterface
+        from ray_fsdp_backend.hf.compat import register_attention
 
         # transformers' registry is process-wide: the latest wrap's group wins.
         kernel_fn = functools.partial(hf_ulysses_attention, ulysses=ulysses)
-        AttentionInterface.register(HF_ATTENTION_NAME, kernel_fn)
+        register_attention(HF_ATTENTION_NAME, kernel_fn)
         for hf_model in hf_models:
             hf_model.set_attn_implementation(HF_ATTENTION_NAME)
         disable_hf_cache(model)

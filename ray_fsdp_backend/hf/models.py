@@ -59,6 +59,9 @@ def build_causal_lm(
     :func:`~ray_fsdp_backend.hf.load_pretrained` fills it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ray_fsdp_backend.hf.compat import check_transformers_version
+
+    check_transformers_version()
     with metadata_dir(path, filesystem) as local:
         config = AutoConfig.from_pretrained(local)
     with torch.device("meta"):

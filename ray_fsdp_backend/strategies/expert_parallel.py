@@ -78,7 +78,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int) -> list[n
     returns the experts modules, for :func:`shard_experts`. Must run before
     activation checkpointing or compile wrap the blocks (the plan names
     modules by their unwrapped paths)."""
-    from transformers.distributed.expert_parallel import apply_expert_parallelism
+    from ray_fsdp_backend.hf.compat import apply_expert_parallelism
 
     plan = resolve_ep_plan(model, ep)
     ep_mesh, batch_mesh = (slice_flattened(mesh, a) for a in (EP_AXIS, EXPERT_BATCH_AXIS))

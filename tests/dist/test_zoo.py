@@ -80,7 +80,7 @@ def _document_masks(model, batch) -> dict[str, torch.Tensor]:
     """transformers' own per-document masks of packed rows, for a family
     whose model builds its masks without ``position_ids`` (gpt-oss in 5.23:
     one process would attend across documents; the cp kernel does not)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from ray_fsdp_backend.hf.compat import create_causal_mask, create_sliding_window_causal_mask
 
     ids = batch["input_ids"]
     kwargs = dict(

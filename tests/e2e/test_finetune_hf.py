@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ray_env
+
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
 
@@ -32,9 +34,13 @@ for path in sys.argv[1:3]:
 """
 
 
-def _train_example(example: str, tmp_path, pretrained, export, name: str) -> str:
-    """``ray-fsdp train examples/<example>`` on ``pretrained``; returns the log."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _train_example(
+    example: str, tmp_path, pretrained, export, name: str, address: str | None = None
+) -> str:
+    """``ray-fsdp train examples/<example>`` on ``pretrained``; returns the log.
+    With ``address`` (the ``ray_address`` fixture) the command joins that
+    cluster, as inside a Ray job; without, it starts its own, as a user's does."""
+    env = ray_env(address)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [
@@ -62,12 +68,12 @@ def _eval(script: str, *args, cwd) -> list[float]:
     return [float(x) for x in out.stdout.split()]
 
 
-def test_finetune_hf_yaml_trains_and_exports(tmp_path):
+def test_finetune_hf_yaml_trains_and_exports(tmp_path, ray_address):
     from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained", tied=True)
     export = tmp_path / "finetuned"
-    _train_example("finetune_hf.yaml", tmp_path, pretrained, export, "ft")
+    _train_example("finetune_hf.yaml", tmp_path, pretrained, export, "ft", ray_address)
     assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(
         os.listdir(export)
     )
@@ -89,7 +95,7 @@ with torch.no_grad():
 """
 
 
-def test_finetune_lora_yaml_checkpoints_adapters_and_exports_peft(tmp_path):
+def test_finetune_lora_yaml_checkpoints_adapters_and_exports_peft(tmp_path, ray_address):
     """LoRA adapters on the frozen base: the run's checkpoints hold the
     adapters only, the PEFT export loads with ``peft`` alone."""
     import torch.distributed.checkpoint as dcp
@@ -99,7 +105,7 @@ def test_finetune_lora_yaml_checkpoints_adapters_and_exports_peft(tmp_path):
     pytest.importorskip("peft")
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained")
     export = tmp_path / "adapters"
-    log = _train_example("finetune_lora.yaml", tmp_path, pretrained, export, "lora")
+    log = _train_example("finetune_lora.yaml", tmp_path, pretrained, export, "lora", ray_address)
     folders = sorted(p.parent for p in (tmp_path / "lora").rglob(".metadata"))
     assert folders, log[-2000:]
     keys = dcp.FileSystemReader(str(folders[-1])).read_metadata().state_dict_metadata
@@ -112,7 +118,7 @@ def test_finetune_lora_yaml_checkpoints_adapters_and_exports_peft(tmp_path):
     assert after < before - 0.02, (before, after)
 
 
-def test_finetune_qlora_yaml_trains_on_an_nf4_base_and_exports_peft(tmp_path):
+def test_finetune_qlora_yaml_trains_on_an_nf4_base_and_exports_peft(tmp_path, ray_address):
     """``examples/finetune_qlora.yaml``: adapters over an NF4 base quantised
     shard by shard on 2 workers; the PEFT export loads with ``peft`` alone
     over the fp32 base and lowers the loss there too."""
@@ -122,7 +128,7 @@ def test_finetune_qlora_yaml_trains_on_an_nf4_base_and_exports_peft(tmp_path):
 
     pretrained = save_tiny_pretrained("llama_qlora", tmp_path / "pretrained", max_shard_size="2MB")
     export = tmp_path / "adapters"
-    _train_example("finetune_qlora.yaml", tmp_path, pretrained, export, "qlora")
+    _train_example("finetune_qlora.yaml", tmp_path, pretrained, export, "qlora", ray_address)
     with open(export / "adapter_config.json") as f:
         config = json.load(f)
     assert config["base_model_name_or_path"] == str(pretrained)

@@ -1,7 +1,9 @@
 """``examples/long_context.yaml`` end to end, and the trainer's context
 parallelism against plain data parallelism on the same global batch.
 
-Two runs of the command as a user types it (4 CPU workers each):
+Two runs of the command as a user types it (4 CPU workers each), both
+joining the pytest worker's shared Ray cluster (``RAY_ADDRESS``, as inside a
+Ray job) rather than starting two clusters:
 ``dp_shard 2 x cp 2`` with micro-batch 2 (each row split over a cp pair) and
 ``dp_shard 4 x cp 1`` with micro-batch 1 (a whole row per rank) read the same
 4 rows per step, so their losses and gradient norms must agree step by step.
@@ -19,13 +21,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ray_env
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _train(tmp_path: Path, address: str, name: str, *overrides: str) -> list[dict]:
+    env = ray_env(address)  # both runs join the worker's shared cluster
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     sets = ["train.steps=3", "train.log_every=1", "data.packing=false",
             f"run.storage_path={tmp_path}", f"run.name={name}", *overrides]  # fmt: skip
@@ -39,9 +43,10 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def test_long_context_example_matches_plain_data_parallel(tmp_path):
-    cp = _train(tmp_path, "cp2")
-    dp = _train(tmp_path, "cp1", "distributed.context_parallel_size=1", "train.micro_batch_size=1")
+def test_long_context_example_matches_plain_data_parallel(tmp_path, ray_address):
+    cp = _train(tmp_path, ray_address, "cp2")
+    overrides = ("distributed.context_parallel_size=1", "train.micro_batch_size=1")
+    dp = _train(tmp_path, ray_address, "cp1", *overrides)
     assert [m["step"] for m in cp] == [m["step"] for m in dp] == [1, 2, 3]
     for a, b in zip(cp, dp, strict=True):
         assert a["tokens_seen"] == b["tokens_seen"] == a["step"] * 4 * 512

@@ -21,12 +21,12 @@ def _keys(path) -> set[str]:
         return set(json.load(f)["weight_map"])
 
 
-def test_moe_ep_yaml_trains_and_exports(tmp_path):
+def test_moe_ep_yaml_trains_and_exports(tmp_path, ray_address):
     from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("qwen3_moe", tmp_path / "pretrained")
     export = tmp_path / "finetuned"
-    _train_example("moe_ep.yaml", tmp_path, pretrained, export, "moe")
+    _train_example("moe_ep.yaml", tmp_path, pretrained, export, "moe", ray_address)
     assert _keys(export) == _keys(pretrained)
     assert any(".mlp.experts.3.down_proj.weight" in k for k in _keys(export))
     before, after = _eval(_EVAL, pretrained, export, cwd=tmp_path)

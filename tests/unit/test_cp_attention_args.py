@@ -21,6 +21,7 @@ from ray_fsdp_backend.context_parallel.attention import (
     warn_math_once,
 )
 from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention
+from ray_fsdp_backend.hf import compat
 from tests.dense_attention import dense_attention, document_causal_mask
 
 pytest.importorskip("transformers")
@@ -99,7 +100,8 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("packed", [False, True])
 def test_window_and_document_mask_equal_transformers(packed):
     from transformers import MistralConfig
-    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    from ray_fsdp_backend.hf.compat import create_sliding_window_causal_mask
 
     config = MistralConfig(sliding_window=8, hidden_size=32, num_attention_heads=4)
     config._attn_implementation = "sdpa"
@@ -115,7 +117,7 @@ def test_window_and_document_mask_equal_transformers(packed):
 
 
 def test_softcap_window_and_scaling_equal_gemma2_eager():
-    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+    eager_attention_forward = compat.eager_attention_forward("gemma2")
 
     q, k, v = _qkv()
     mask = document_causal_mask(_packed_positions(), window=8)
@@ -131,7 +133,7 @@ def test_softcap_window_and_scaling_equal_gemma2_eager():
 
 
 def test_sinks_equal_gpt_oss_eager():
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    eager_attention_forward = compat.eager_attention_forward("gpt_oss")
 
     q, k, v = _qkv()
     sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(1))
@@ -145,7 +147,7 @@ def test_sinks_equal_gpt_oss_eager():
 
 
 def test_dropout_draws_as_transformers_eager_does():
-    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+    eager_attention_forward = compat.eager_attention_forward("gemma2")
 
     q, k, v = _qkv()
     mask = document_causal_mask(torch.arange(SEQ).expand(2, SEQ), window=8)
