@@ -86,6 +86,10 @@ STREAM_ABOVE_BYTES = 8 * 1024 * 1024
 size, and streamed as a multipart upload once it grows past it."""
 UPLOAD_WINDOW_BYTES = 64 * 1024 * 1024
 """At most this many bytes of a streamed upload are queued (parts in flight)."""
+WRITE_PIECE_BYTES = 8 * 1024 * 1024
+"""A write is handed to the client in pieces of at most this size (a part
+of pyarrow's S3 stream is 10 MiB), so the window bounds memory for a write
+of any size."""
 _SDK_BASE_DELAY_S = 0.025  # the AWS SDK's DefaultRetryStrategy: 25 ms * 2**retry
 _STREAMING: dict[tuple, pafs.FileSystem] = {}
 _STREAMING_LOCK = threading.Lock()
@@ -394,15 +398,20 @@ class _ObjectOutput(WholeFile):
         self._written = self._pending = 0
 
     def write(self, data):
-        n = memoryview(data).nbytes
-        if self._stream is None:
-            self._buffer.write(data)
-            if self._buffer.tell() > STREAM_ABOVE_BYTES:
-                self._start_stream()
-        else:
-            self._send(data, n)
-        self._written += n
-        return n
+        # In pieces of at most a part: the client copies what it is given
+        # before the window is checked, and a whole tensor in one write
+        # would be copied whole (twice, through the small-file buffer).
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, WRITE_PIECE_BYTES):
+            piece = view[start : start + WRITE_PIECE_BYTES]
+            if self._stream is None:
+                self._buffer.write(piece)
+                if self._buffer.tell() > STREAM_ABOVE_BYTES:
+                    self._start_stream()
+            else:
+                self._send(piece, piece.nbytes)
+        self._written += view.nbytes
+        return view.nbytes
 
     def tell(self):
         return self._written

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import pickle
 import random
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -46,7 +47,12 @@ from ray_fsdp_backend.checkpoint.layout import (
     next_checkpoint_name,
     stale_partials,
 )
-from ray_fsdp_backend.checkpoint.store import CheckpointStore, dcp_reader, dcp_writer
+from ray_fsdp_backend.checkpoint.store import (
+    CheckpointStore,
+    dcp_reader,
+    dcp_writer,
+    torn_object,
+)
 from ray_fsdp_backend.collectives import broadcast_from_rank0
 from ray_fsdp_backend.strategies.peft import (
     adapter_layout,
@@ -441,4 +447,8 @@ def _read_extra(store: CheckpointStore, name: str, rank: int) -> tuple[dict[str,
     was this rank's own (only then are its RNG generators restored)."""
     own = f"{name}/{extra_state_name(rank)}"
     path = own if store.exists(own) else f"{name}/{extra_state_name(0)}"
-    return torch.load(io.BytesIO(store.read_file(path)), weights_only=True), path == own
+    data = store.read_file(path)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True), path == own
+    except (EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
+        raise torn_object(store.path(path), len(data), None, str(exc)) from exc
