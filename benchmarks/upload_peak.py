@@ -20,25 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
-import sys
 
-from benchmarks.upload_stream import _SERVER, BUCKET, MIB, _filesystem
+from benchmarks.upload_stream import BUCKET, MIB, _filesystem, in_child, moto_port
 
 MODES = ("pieces", "whole")
 
 
-def upload(mode: str, port: int, mib: int, window_mib: int | None = None) -> dict:
+def upload(mode: str, port: int, mib: int, window_mib: int = 0) -> dict:
     """One write of ``mib`` MiB in this process; the rise of its peak RSS
-    (``window_mib``: the upload window, default ``UPLOAD_WINDOW_BYTES``)."""
+    (``window_mib``: the upload window, 0: ``UPLOAD_WINDOW_BYTES``)."""
     import resource
 
     import numpy as np
 
     from ray_fsdp_backend import retrying_fs
 
-    if window_mib is not None:
+    if window_mib:
         retrying_fs.UPLOAD_WINDOW_BYTES = window_mib * MIB
     if mode == "whole":
         retrying_fs.WRITE_PIECE_BYTES = mib * MIB
@@ -56,39 +53,8 @@ def upload(mode: str, port: int, mib: int, window_mib: int | None = None) -> dic
 
 
 def run(mib: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-c", _SERVER, str(port)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        server.stdout.readline()
-        s3 = _filesystem(port)
-        s3.create_dir(BUCKET)
-        with s3.open_output_stream(f"{BUCKET}/warm-up") as out:  # moto's first request is slow
-            out.write(b"x" * MIB)
-        return {mode: in_child(mode, port, mib) for mode in MODES}
-    finally:
-        server.stdin.close()
-        server.wait(timeout=60)
-
-
-def in_child(mode: str, port: int, mib: int, window_mib: int | None = None) -> dict:
-    """:func:`upload` in a fresh process (its peak RSS its own)."""
-    code = (
-        "import json, sys; from benchmarks.upload_peak import upload; "
-        "w = int(sys.argv[4]) if sys.argv[4] else None; "
-        "print(json.dumps(upload(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), w)))"
-    )
-    args = [mode, str(port), str(mib), str(window_mib or "")]
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"the {mode} upload failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    with moto_port() as port:
+        return {mode: in_child("benchmarks.upload_peak", mode, port, mib) for mode in MODES}
 
 
 def main(argv: list[str] | None = None) -> dict:
