@@ -52,10 +52,13 @@ our own layer and not the S3 client's retry strategy.
 - Memory and local disk per open file: a small file's bytes (at most
   :data:`STREAM_ABOVE_BYTES`); a streamed file at most the window of queued
   parts (:data:`UPLOAD_WINDOW_BYTES`) plus the part being filled, and no
-  local disk at all. One file is open per writer at a time (the Hugging
-  Face exporter writes its files one after another, DCP one file per rank
-  per save). The upload happens in the thread that writes: DCP's
-  background thread for asynchronous saves. Why streaming and not the
+  local disk at all, for writes of any size: a write is handed on in pieces
+  of :data:`WRITE_PIECE_BYTES` (one 192 MiB write: +94 MiB peak RSS, +398
+  MiB when handed on whole; ``benchmarks/upload_peak.py``). One file is
+  open per writer at a time (the Hugging Face exporter writes its files
+  one after another, DCP one file per rank per save). The upload happens
+  in the thread that writes: DCP's background thread for asynchronous
+  saves. Why streaming and not the
   whole-file spool this replaced (memory up to 16 MiB, then a local
   temporary file, uploaded whole): the spool needed as much local disk as
   the rank's largest file and wrote every byte twice, and was not faster:

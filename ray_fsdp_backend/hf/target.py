@@ -59,9 +59,6 @@ def check_target(fs: pafs.FileSystem, root: str, overwrite: bool, uri: str) -> N
                 "into it would mix two models' files; pass overwrite=True to replace its "
                 "weights, or choose an empty path"
             )
-        for name in names:
-            if name.endswith(".index.json"):
-                fs.delete_file(posixpath.join(root, name))
 
     broadcast_from_rank0(check)
 
