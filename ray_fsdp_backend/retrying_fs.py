@@ -53,7 +53,7 @@ our own layer and not the S3 client's retry strategy.
   :data:`STREAM_ABOVE_BYTES`); a streamed file at most the window of queued
   parts (:data:`UPLOAD_WINDOW_BYTES`) plus the part being filled, and no
   local disk at all, for writes of any size: a write is handed on in pieces
-  of :data:`WRITE_PIECE_BYTES` (one 192 MiB write: +94 MiB peak RSS, +398
+  of :data:`WRITE_PIECE_BYTES` (one 192 MiB write: +94 MiB peak RSS, +410
   MiB when handed on whole; ``benchmarks/upload_peak.py``). One file is
   open per writer at a time (the Hugging Face exporter writes its files
   one after another, DCP one file per rank per save). The upload happens

@@ -145,6 +145,6 @@ def test_one_large_write_stays_within_the_window(s3_server, proxy):
     print(row)
     assert row["bytes"] == 96 * MIB
     # The window (12 MiB), a piece (8 MiB), pyarrow's part buffer (10 MiB)
-    # and the client's own (~30 MiB at 192 MiB in docs/benchmarks.md);
-    # before, the write was copied whole twice (+192 MiB and more).
-    assert row["rise_mib"] < 64, row
+    # and the client's own: +48 MiB measured; before, the write was copied
+    # whole twice (+208 MiB measured).
+    assert row["rise_mib"] < 96, row
