@@ -53,7 +53,7 @@ from ray_fsdp_backend.checkpoint.store import (
     dcp_writer,
     torn_object,
 )
-from ray_fsdp_backend.collectives import broadcast_from_rank0
+from ray_fsdp_backend.collectives import agreed, broadcast_from_rank0
 from ray_fsdp_backend.strategies.peft import (
     adapter_layout,
     describe_layout,
@@ -281,7 +281,8 @@ def load_sharded(
     with naming_store(store, name, "reading"):
         check_fits(state, reader.read_metadata(), where=store.path(name))
         dcp.load(state, storage_reader=reader)
-        extra, own = _read_extra(store, name, dist.get_rank())
+        with agreed(f"reading the extra state of {name}"):  # a torn file fails every rank
+            extra, own = _read_extra(store, name, dist.get_rank())
     _set_state(model, optimizer, state)
     if own:
         restore_rng_state(extra["rng"])
