@@ -168,6 +168,13 @@ def test_transient_faults_cost_retries_only_and_permanent_ones_fail_fast(s3_serv
     for name, entry in log.items():
         print(f"{name}: {entry['seconds']:.1f} s, injected {entry['injected']}, "
               f"{entry['retries']} retries")  # fmt: skip
+    for step, relative in TORN.items():
+        error = log[f"torn {relative}"]["error"]
+        print(f"torn {relative}: {log[f'torn {relative}']['seconds']:.2f} s: {error[:600]}")
+        assert error is not None and f"{names[step]}/{relative} is torn" in error, error
+        assert "holds" in error and "bytes" in error, error
+        assert log[f"torn {relative}"]["seconds"] < 10.0
+    assert "needs at least" in log["torn __0_0.distcp"]["error"]
     transient = [
         n for n in log if n not in ("past the budget", "403", "missing bucket")
         and not n.startswith("torn")
@@ -201,10 +208,3 @@ def test_transient_faults_cost_retries_only_and_permanent_ones_fail_fast(s3_serv
         assert "s3://" in error and "gave up" not in error
         assert log[name]["seconds"] < 10.0, log[name]  # the budget is 60 s
     assert "s3://no-such-bucket-28/run" in log["missing bucket"]["error"]
-    for step, relative in TORN.items():
-        error = log[f"torn {relative}"]["error"]
-        print(f"torn {relative}: {log[f'torn {relative}']['seconds']:.2f} s: {error[:600]}")
-        assert error is not None and f"{names[step]}/{relative} is torn" in error, error
-        assert "holds" in error and "bytes" in error, error
-        assert log[f"torn {relative}"]["seconds"] < 10.0
-    assert "needs at least" in log["torn __0_0.distcp"]["error"]
