@@ -26,6 +26,7 @@ streamed - 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 MIB = 1024 * 1024
 CHUNK = 16 * MIB
@@ -144,7 +146,10 @@ def upload(mode: str, port: int, mib: int) -> dict:
                 spool_file=spooled, disk_drop=disk)  # fmt: skip
 
 
-def run(mib: int, reps: int) -> dict:
+@contextlib.contextmanager
+def moto_port() -> Iterator[int]:
+    """A moto S3 server in a child process, with :data:`BUCKET` created and
+    its first (slow) request made; yields its port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -158,15 +163,20 @@ def run(mib: int, reps: int) -> dict:
         server.stdout.readline()
         s3 = _filesystem(port)
         s3.create_dir(BUCKET)
-        with s3.open_output_stream(f"{BUCKET}/warm-up") as out:  # moto's first request is slow
+        with s3.open_output_stream(f"{BUCKET}/warm-up") as out:
             out.write(b"x" * MIB)
+        yield port
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+
+
+def run(mib: int, reps: int) -> dict:
+    with moto_port() as port:
         rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for rep in range(reps):  # alternating order: drifting load hits both alike
             for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-                rows[mode].append(_in_child(mode, port, mib))
-    finally:
-        server.stdin.close()
-        server.wait(timeout=30)
+                rows[mode].append(in_child("benchmarks.upload_stream", mode, port, mib))
     summary = {
         mode: {
             "seconds": statistics.median(r["seconds"] for r in runs),
@@ -183,13 +193,14 @@ def run(mib: int, reps: int) -> dict:
     return dict(mib=mib, reps=reps, modes=summary, spooled_overhead=overhead)
 
 
-def _in_child(mode: str, port: int, mib: int) -> dict:
+def in_child(module: str, mode: str, *args: int) -> dict:
+    """``module.upload(mode, *args)`` in a fresh process (its peak RSS its own)."""
     code = (
-        "import json, sys; from benchmarks.upload_stream import upload; "
-        "print(json.dumps(upload(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))"
+        f"import json, sys; from {module} import upload; "
+        "print(json.dumps(upload(sys.argv[1], *map(int, sys.argv[2:]))))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, mode, str(port), str(mib)], capture_output=True, text=True
+        [sys.executable, "-c", code, mode, *map(str, args)], capture_output=True, text=True
     )
     if out.returncode:
         raise RuntimeError(f"the {mode} upload failed:\n{out.stderr[-3000:]}")

@@ -7,6 +7,9 @@ way no rank waits on a collective that another abandoned.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
@@ -57,6 +60,32 @@ def raise_if_any_failed(error: BaseException | None, what: str) -> None:
     dist.all_gather_object(messages, mine)
     named = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
     raise RankFailedError(f"{what} failed on {named}") from error
+
+
+@contextlib.contextmanager
+def agreed(what: str) -> Iterator[None]:
+    """Collective: run the block on every rank, then agree on its outcome.
+
+    An exception the block raises on this rank is caught, and every rank
+    then takes part in :func:`raise_if_any_failed`: when the block failed on
+    any rank, every rank raises :class:`RankFailedError` naming ``what``,
+    each failing rank and its error (chained to this rank's own), within
+    the time of one all-reduce. Ranks stay in step when a block holds its
+    collective (one tensor's gather, one broadcast) first and local work
+    after it: a rank that fails in the local work, or in a collective it
+    has joined, meets the others at this agreement instead of leaving them
+    in the next collective until the process group's timeout. (A rank that
+    fails before it joins a collective leaves the others in that one: no
+    process group can be interrupted from Python.)
+    ``KeyboardInterrupt`` and other ``BaseException`` pass through."""
+    error = None
+    try:
+        yield
+    except RankFailedError:
+        raise  # an inner phase's agreement: raised on every rank already
+    except Exception as exc:
+        error = exc
+    raise_if_any_failed(error, what)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

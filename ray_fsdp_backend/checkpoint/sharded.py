@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import pickle
 import random
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -46,8 +47,13 @@ from ray_fsdp_backend.checkpoint.layout import (
     next_checkpoint_name,
     stale_partials,
 )
-from ray_fsdp_backend.checkpoint.store import CheckpointStore, dcp_reader, dcp_writer
-from ray_fsdp_backend.collectives import broadcast_from_rank0
+from ray_fsdp_backend.checkpoint.store import (
+    CheckpointStore,
+    dcp_reader,
+    dcp_writer,
+    torn_object,
+)
+from ray_fsdp_backend.collectives import agreed, broadcast_from_rank0
 from ray_fsdp_backend.strategies.peft import (
     adapter_layout,
     describe_layout,
@@ -275,7 +281,8 @@ def load_sharded(
     with naming_store(store, name, "reading"):
         check_fits(state, reader.read_metadata(), where=store.path(name))
         dcp.load(state, storage_reader=reader)
-        extra, own = _read_extra(store, name, dist.get_rank())
+        with agreed(f"reading the extra state of {name}"):  # a torn file fails every rank
+            extra, own = _read_extra(store, name, dist.get_rank())
     _set_state(model, optimizer, state)
     if own:
         restore_rng_state(extra["rng"])
@@ -441,4 +448,8 @@ def _read_extra(store: CheckpointStore, name: str, rank: int) -> tuple[dict[str,
     was this rank's own (only then are its RNG generators restored)."""
     own = f"{name}/{extra_state_name(rank)}"
     path = own if store.exists(own) else f"{name}/{extra_state_name(0)}"
-    return torch.load(io.BytesIO(store.read_file(path)), weights_only=True), path == own
+    data = store.read_file(path)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True), path == own
+    except (EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
+        raise torn_object(store.path(path), len(data), None, str(exc)) from exc

@@ -31,6 +31,25 @@ from ray_fsdp_backend.filesystem import compute_spans, to_fsspec
 from ray_fsdp_backend.retrying_fs import open_whole, unwrap, with_retries
 
 
+class TornObjectError(ValueError):
+    """A checkpoint file is shorter than what it must hold (written in part:
+    a streamed upload closed by a dying process, a copy cut short); the
+    message names the file, its size and, where known, the size expected."""
+
+
+def torn_object(path: str, size: int, expected: int | None, cause: str = "") -> TornObjectError:
+    """The error for ``path`` of ``size`` bytes that should hold ``expected``
+    (None: unknown; ``cause``: what reading it raised)."""
+    if expected is not None:
+        what = f"is torn: it holds {size} bytes where its checkpoint needs at least {expected}"
+    else:
+        what = f"is torn or corrupt: it holds {size} bytes and does not load ({cause})"
+    return TornObjectError(
+        f"checkpoint file {path} {what}; it was written in part or changed since: "
+        "load another checkpoint"
+    )
+
+
 @dataclass(frozen=True)
 class CheckpointStore:
     """A directory (``root``) on a filesystem that holds ``checkpoint_*`` dirs."""
@@ -210,7 +229,11 @@ def _ranged_reader_class():
             if self._metadata is None:
                 path = self._get_metadata_path(kwargs.get("rank"))
                 with self.fs.create_stream(path, "rb") as f:
-                    metadata = pickle.loads(f.read())  # as DCP's reader, from one request
+                    data = f.read()
+                try:
+                    metadata = pickle.loads(data)  # as DCP's reader, from one request
+                except (EOFError, pickle.UnpicklingError) as exc:
+                    raise torn_object(path, len(data), None, str(exc)) from exc
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
                 metadata.storage_meta.load_id = self.load_id
@@ -249,7 +272,12 @@ def _fetch_spans(fs, root, infos) -> dict[str, list[tuple[int, bytes]]]:
         with fs.create_stream(fs.concat_path(root, relative), "rb") as stream:
             for start, length in compute_spans(per_file[relative]):
                 stream.seek(start)
-                out.append((start, stream.read(length)))
+                data = stream.read(length)
+                if len(data) != length:  # the object ends before the span does
+                    stream.seek(0, io.SEEK_END)
+                    path = fs.concat_path(root, relative)
+                    raise torn_object(path, stream.tell(), start + length)
+                out.append((start, data))
         return out
 
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(per_file)))) as pool:

@@ -15,6 +15,7 @@ import json
 import os
 import posixpath
 import tempfile
+import uuid
 from collections.abc import Callable
 
 import pyarrow.fs as pafs
@@ -23,14 +24,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ray_fsdp_backend.collectives import broadcast_from_rank0
+from ray_fsdp_backend.collectives import agreed, broadcast_from_rank0
 from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.experts import split_experts
 from ray_fsdp_backend.hf.keys import export_keys
 from ray_fsdp_backend.hf.load import loaded_from
 from ray_fsdp_backend.hf.peft_export import export_peft, merge_adapters
 from ray_fsdp_backend.hf.reader import INDEX_NAME, is_metadata_file
-from ray_fsdp_backend.hf.target import check_shared, check_target, remove_stale, verify_files
+from ray_fsdp_backend.hf.target import (
+    check_shared,
+    check_target,
+    remove_stale,
+    target_entries,
+    verify_files,
+)
 from ray_fsdp_backend.hf.writer import (
     FilePlan,
     barrier,
@@ -38,6 +45,7 @@ from ray_fsdp_backend.hf.writer import (
     file_header,
     parse_size,
     plan_export,
+    tag_names,
     write_bytes,
     write_files,
 )
@@ -81,13 +89,19 @@ def export_model(
     Collective: every rank calls it; returns ``path`` once complete.
 
     Whole or refused (:mod:`.target`): a non-empty target is refused unless
-    ``overwrite=True``, which deletes the old index first and, before the
-    new index is published, every old weight file (``*.safetensors``,
-    ``*.bin``, ``*.index.json``) the new export did not write. In HF layout
-    a target that not every rank sees is refused before any weight is
-    written, and every file is checked (one listing, sizes) before the index
-    is written. Each file is whole or absent, and a write that fails on one
-    rank fails every rank before the next file.
+    ``overwrite=True``. An overwrite keeps the previous export loadable
+    until the new one is whole: the new shards get names no old file has
+    (an id of this export in them), the index is written last (the commit
+    point: it replaces the old index in one put or rename), and only then
+    are the old weight files (``*.safetensors``, ``*.bin``, ``*.index.json``)
+    the new index does not name deleted. In HF layout a target that not
+    every rank sees is refused before any weight is written, and every file
+    is checked (one listing, sizes) before the index is written. Each file
+    is whole or absent. Every step is agreed by all ranks
+    (:func:`~ray_fsdp_backend.collectives.agreed`): a failure on one rank,
+    a write or not (an out-of-memory in a gather), raises on every rank at
+    the end of that step, naming the rank and its error, and no rank
+    returns before every rank's part succeeded.
 
     Raises:
         ValueError: an unknown ``format``, a bad ``max_shard_size``, or a URI
@@ -95,7 +109,7 @@ def export_model(
         ExportTargetError: the target is not empty (without ``overwrite``),
             not shared by every rank, or a written file is missing or short
             (named, with the rank that wrote it).
-        RankFailedError: a write failed on some rank (named, with its error).
+        RankFailedError: a step failed on some rank (named, with its error).
     """
     text = os.fspath(path)
     if format not in EXPORTERS:
@@ -125,24 +139,45 @@ def export_hf(
     :func:`export_model`; ``uri`` names it in messages)."""
     uri = uri or root
     inner = unwrap(model)
-    state = dequantize_state(get_model_state_dict(model))  # a QLoRA base: NF4 -> dense
-    state = {k: state[k] for k in export_keys(inner, state)}
-    if is_peft_model(inner):  # adapters merged into the base, under the base's names
-        state = merge_adapters(inner, state)
-    state = split_experts(state, inner)  # per-expert keys, as save_pretrained writes them
-    files = _plan(state, dtype, parse_size(max_shard_size))
-    fs.create_dir(root, recursive=True)  # on object storage: a no-op or a marker
+    with agreed(f"preparing the export to {uri!r}"):
+        state = _export_state(model, inner)
+        files = _plan(state, dtype, parse_size(max_shard_size))
+    files = _fresh_names(fs, root, files)
+    with agreed(f"creating {uri!r}"):
+        fs.create_dir(root, recursive=True)  # on object storage: a no-op or a marker
     check_shared(fs, root, uri)
     write_files(fs, root, state, files, dtype)
     verify_files(fs, root, _expected(state, files, dtype), uri)
-    remove_stale(fs, root, {f.name for f in files} | {INDEX_NAME})
 
-    def publish() -> None:
+    def publish() -> None:  # the index last: the commit point
         _copy_tokenizer_files(model, fs, root)
         _save_hf_config(inner, fs, root, dtype)
         write_bytes(fs, posixpath.join(root, INDEX_NAME), _index(state, files, dtype))
 
     broadcast_from_rank0(publish)
+    remove_stale(fs, root, {f.name for f in files} | {INDEX_NAME})
+
+
+def _export_state(model: nn.Module, inner: nn.Module) -> dict[str, torch.Tensor]:
+    """The state ``export_hf`` writes, under the names ``save_pretrained`` uses."""
+    state = dequantize_state(get_model_state_dict(model))  # a QLoRA base: NF4 -> dense
+    state = {k: state[k] for k in export_keys(inner, state)}
+    if is_peft_model(inner):  # adapters merged into the base, under the base's names
+        state = merge_adapters(inner, state)
+    state = split_experts(state, inner)  # per-expert keys, as save_pretrained writes them
+    return state
+
+
+def _fresh_names(fs: pafs.FileSystem, root: str, files: list[FilePlan]) -> list[FilePlan]:
+    """``files`` under names that no file in ``root`` has: the plan's own
+    names, or, when one is taken (an overwrite), each with an id of this
+    export, so that no new shard replaces a file the old index names."""
+
+    def pick() -> str:
+        taken = set(target_entries(fs, root))
+        return "" if taken.isdisjoint(f.name for f in files) else uuid.uuid4().hex[:8]
+
+    return tag_names(files, broadcast_from_rank0(pick))
 
 
 def export_safetensors(
@@ -158,8 +193,9 @@ def export_safetensors(
     each name), so ``model.load_state_dict(safetensors.torch.load_file(path))``
     works on the unwrapped model without this package and without unpickling."""
     state = get_model_state_dict(model)
-    if posixpath.dirname(root):
-        fs.create_dir(posixpath.dirname(root), recursive=True)
+    with agreed(f"creating the directory of {uri or root!r}"):
+        if posixpath.dirname(root):
+            fs.create_dir(posixpath.dirname(root), recursive=True)
     write_files(fs, "", state, [FilePlan(root, tuple(state), owner=0)], dtype)
     barrier()
 

@@ -31,7 +31,7 @@ from safetensors.torch import save
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend.collectives import full_tensor
+from ray_fsdp_backend.collectives import agreed, full_tensor
 from ray_fsdp_backend.hf.peft import ADAPTER_WEIGHTS, peft_names
 from ray_fsdp_backend.hf.writer import write_bytes
 from ray_fsdp_backend.strategies.peft import peft_configs, tuner_layers, unwrap
@@ -48,10 +48,16 @@ def export_peft(
 ) -> None:
     """Write the adapters of ``model`` to directory ``root`` of ``fs`` in
     PEFT's format (see the module docstring; ``max_shard_size`` unused: one
-    file per adapter; ``uri`` unused: rank 0 writes every file). Collective: every rank calls it.
+    file per adapter; ``uri`` names the target in messages; rank 0 writes
+    every file). Collective: every rank calls it, and every rank returns
+    only once rank 0 has written every file; a failure on any rank (a
+    gather, rank 0's write) raises on every rank at once
+    (:func:`~ray_fsdp_backend.collectives.agreed`).
 
     Raises:
         ValueError: ``model`` has no PEFT adapters.
+        RankFailedError: a gather or a write failed on some rank (named,
+            with its error).
     """
     inner = unwrap(model)
     configs = peft_configs(inner)
@@ -61,23 +67,28 @@ def export_peft(
     names = peft_names(inner, list(params))
     per_adapter: dict[str, dict[str, torch.Tensor]] = {a: {} for a in configs}
     for key, (adapter, saved) in names.adapters.items():
-        full = _full_tensor(params[key])  # collective: every rank, same order
-        per_adapter.setdefault(adapter, {})[saved] = full.to(dtype) if dtype else full
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        for adapter, tensors in per_adapter.items():
-            where = root if adapter == "default" else posixpath.join(root, adapter)
-            fs.create_dir(where, recursive=True)
-            data = save(tensors, metadata={"format": "pt"})
-            write_bytes(fs, posixpath.join(where, ADAPTER_WEIGHTS), data)
-            config = copy.deepcopy(configs[adapter])
-            config.inference_mode = True
-            with tempfile.TemporaryDirectory(prefix="rfb-export-") as local:
-                config.save_pretrained(local)
-                for name in sorted(os.listdir(local)):
-                    with open(os.path.join(local, name), "rb") as f:
-                        write_bytes(fs, posixpath.join(where, name), f.read())
-    if dist.is_initialized():
-        dist.barrier()
+        with agreed(f"exporting the adapters to {uri or root!r} (gathering {key!r})"):
+            full = _full_tensor(params[key])  # collective: every rank, same order
+            per_adapter.setdefault(adapter, {})[saved] = full.to(dtype) if dtype else full
+    with agreed(f"exporting the adapters to {uri or root!r}"):  # every rank, rank 0's outcome
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for adapter, tensors in per_adapter.items():
+                where = root if adapter == "default" else posixpath.join(root, adapter)
+                _write_adapter(fs, where, tensors, configs[adapter])
+
+
+def _write_adapter(fs: pafs.FileSystem, where: str, tensors: dict, config) -> None:
+    """``adapter_model.safetensors``, then ``adapter_config.json``, each whole."""
+    fs.create_dir(where, recursive=True)
+    data = save(tensors, metadata={"format": "pt"})
+    write_bytes(fs, posixpath.join(where, ADAPTER_WEIGHTS), data)
+    config = copy.deepcopy(config)
+    config.inference_mode = True
+    with tempfile.TemporaryDirectory(prefix="rfb-export-") as local:
+        config.save_pretrained(local)
+        for name in sorted(os.listdir(local)):
+            with open(os.path.join(local, name), "rb") as f:
+                write_bytes(fs, posixpath.join(where, name), f.read())
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -97,11 +108,12 @@ def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
             key = f"{name}.base_layer.weight"
             if key not in merged or layer.merged:
                 continue
-            weight = merged[key]
-            for adapter in layer.active_adapters:
-                if adapter in getattr(layer, "lora_A", {}):
-                    weight = _plus(weight, layer.get_delta_weight(adapter))
-            merged[key] = weight
+            with agreed(f"merging the adapters of {name}"):  # DTensor ops: collectives
+                weight = merged[key]
+                for adapter in layer.active_adapters:
+                    if adapter in getattr(layer, "lora_A", {}):
+                        weight = _plus(weight, layer.get_delta_weight(adapter))
+                merged[key] = weight
     return {names.base[k]: v for k, v in merged.items()}
 
 

@@ -5,8 +5,9 @@ index only once every planned file is there. Four steps, each collective
 (every rank calls it; a failure is raised on every rank):
 
 - :func:`check_target`: a non-empty target is refused unless the caller
-  passed ``overwrite=True``; with it, the old index files go first, so no
-  index ever names a file of the other export while the new one is written.
+  passed ``overwrite=True``; with it, nothing is deleted yet: the new
+  shards get names no old file has, and the old index keeps naming the old
+  shards (the old export stays loadable) until the new index replaces it.
 - :func:`check_shared`: each rank writes a marker into the target and rank 0
   looks for all of them; a rank whose marker rank 0 cannot see is writing
   somewhere else (a node-local directory on a multi-node cluster).
@@ -15,8 +16,9 @@ index only once every planned file is there. Four steps, each collective
   is named with the rank that wrote it, and no index is written.
 - :func:`remove_stale`: with ``overwrite=True``, the weight files
   (``*.safetensors``, ``*.bin``, ``*.index.json``) the new export did not
-  write are deleted before the index is published: never a mix of old and
-  new weights.
+  write are deleted after its index is published (the commit point): the
+  index names only the new shards, and an old single ``model.safetensors``,
+  which ``transformers`` prefers to an index, goes last of all.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pyarrow.fs as pafs
 import torch.distributed as dist
 
 from ray_fsdp_backend.collectives import broadcast_from_rank0, raise_if_any_failed
+from ray_fsdp_backend.hf.reader import SINGLE_NAME
 from ray_fsdp_backend.hf.writer import write_bytes
 
 _MARKER = ".export-rank-"
@@ -45,8 +48,8 @@ def is_weight_file(name: str) -> bool:
 
 def check_target(fs: pafs.FileSystem, root: str, overwrite: bool, uri: str) -> None:
     """Refuse a non-empty ``root`` (a directory with entries, or an existing
-    file) unless ``overwrite``; with ``overwrite``, delete its index files.
-    ``uri`` names the target in messages."""
+    file) unless ``overwrite``. Nothing is deleted here (see the module
+    docstring). ``uri`` names the target in messages."""
 
     def check() -> None:
         names = target_entries(fs, root)
@@ -56,9 +59,6 @@ def check_target(fs: pafs.FileSystem, root: str, overwrite: bool, uri: str) -> N
                 "into it would mix two models' files; pass overwrite=True to replace its "
                 "weights, or choose an empty path"
             )
-        for name in names:
-            if name.endswith(".index.json"):
-                fs.delete_file(posixpath.join(root, name))
 
     broadcast_from_rank0(check)
 
@@ -140,12 +140,14 @@ def verify_files(
 
 
 def remove_stale(fs: pafs.FileSystem, root: str, keep: set[str]) -> None:
-    """Delete (on rank 0) the weight files in ``root`` not in ``keep``."""
+    """Delete (on rank 0) the weight files in ``root`` not in ``keep``, a
+    single ``model.safetensors`` last (``transformers`` loads it before an
+    index, so until it goes the old export is what loads)."""
 
     def remove() -> None:
-        for name in _names(fs, root):
-            if is_weight_file(name) and name not in keep:
-                fs.delete_file(posixpath.join(root, name))
+        stale = [n for n in _names(fs, root) if is_weight_file(n) and n not in keep]
+        for name in sorted(stale, key=lambda n: n == SINGLE_NAME):
+            fs.delete_file(posixpath.join(root, name))
 
     broadcast_from_rank0(remove)
 

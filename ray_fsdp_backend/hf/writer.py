@@ -11,10 +11,10 @@ into that file, its header first (known from the plan). Each file is
 whole or absent: on object storage each rank streams its own files (a
 multipart upload per large file, see :mod:`ray_fsdp_backend.retrying_fs`)
 with the credentials the filesystem already has; on a local disk a file is
-written as ``NAME.tmp``, fsynced and renamed. After each file the ranks
-agree (one all-reduce) that it was written, so a failure on one rank fails
-every rank at once. Peak host memory: one full tensor (plus, on object
-storage, the upload's window of queued parts).
+written as ``NAME.tmp``, fsynced and renamed. After each tensor and each
+file the ranks agree (one all-reduce) that it was written, so a failure on
+one rank, a write or not, fails every rank at once. Peak host memory: one
+full tensor (plus, on object storage, the upload's window of queued parts).
 
 ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` and its
 consolidation (torch 2.13) work on local paths only, hence this writer.
@@ -23,13 +23,13 @@ consolidation (torch 2.13) work on local paths only, hence this writer.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from ray_fsdp_backend.collectives import full_tensor, raise_if_any_failed
+from ray_fsdp_backend.collectives import agreed, full_tensor
 from ray_fsdp_backend.hf.safetensors_io import build_header
 from ray_fsdp_backend.retrying_fs import open_whole
 
@@ -107,6 +107,16 @@ def plan_export(sizes: dict[str, int], max_bytes: int, world_size: int) -> list[
     ]
 
 
+def tag_names(files: list[FilePlan], tag: str) -> list[FilePlan]:
+    """``files`` renamed ``model-0000i-of-0000N-TAG.safetensors`` (``tag``
+    empty: as they are)."""
+    if not tag:
+        return files
+    return [
+        replace(f, name=f"{f.name.removesuffix('.safetensors')}-{tag}.safetensors") for f in files
+    ]
+
+
 def export_dtype(value: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype ``value`` is written in: ``dtype`` for floating-point
     tensors, its own for integer and bool ones."""
@@ -122,32 +132,38 @@ def write_files(
 ) -> int:
     """Write ``files`` (every rank calls it with the same plan; see the module
     docstring). ``state`` values may be DTensors. Each file is whole or
-    absent (:func:`~ray_fsdp_backend.retrying_fs.open_whole`), and after
-    each file the ranks agree that it was written: a failed write on one
-    rank makes every rank raise
+    absent (:func:`~ray_fsdp_backend.retrying_fs.open_whole`). Each step is
+    a phase the ranks agree on (:func:`~ray_fsdp_backend.collectives.agreed`):
+    opening a file, each tensor's gather and write, the commit. A failure on
+    one rank, a write or not (a full disk, an out-of-memory in a gather or a
+    conversion), makes every rank raise
     :class:`~ray_fsdp_backend.collectives.RankFailedError` naming that rank
-    and its error, before the next file's gathers. Returns the bytes this
-    rank wrote."""
+    and its error at the end of that step, before the next collective.
+    Returns the bytes this rank wrote."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     written = 0
     for plan in files:
         path = f"{root}/{plan.name}" if root else plan.name
-        sink = _FileSink(fs, path) if plan.owner == rank else None
+        out = None
         try:
-            if sink is not None:
-                sink.write(file_header(state, plan, dtype))
+            with agreed(f"writing {path}"):
+                if plan.owner == rank:
+                    out = open_whole(fs, path)
+                    out.write(file_header(state, plan, dtype))
             for key in plan.keys:
-                value = state[key].detach()
-                full = full_tensor(value)
-                if sink is not None:
-                    data = full.to("cpu", export_dtype(full, dtype)).contiguous()
-                    sink.write(data.reshape(-1).view(torch.uint8).numpy())
-            error = sink.finish() if sink is not None else None
+                with agreed(f"writing {path} (tensor {key!r})"):
+                    full = full_tensor(state[key].detach())  # the step's one collective
+                    if out is not None:
+                        data = full.to("cpu", export_dtype(full, dtype)).contiguous()
+                        out.write(data.reshape(-1).view(torch.uint8).numpy())
+                    del full
+            with agreed(f"writing {path}"):
+                if out is not None:
+                    written += out.tell()
+                    out.commit()
         finally:
-            if sink is not None:
-                sink.discard()
-        raise_if_any_failed(error, f"writing {path}")
-        written += sink.written if sink is not None else 0
+            if out is not None:
+                out.abort()  # after a failure or an interruption; a no-op once committed
     return written
 
 
@@ -156,43 +172,6 @@ def file_header(state: dict[str, torch.Tensor], plan: FilePlan, dtype: torch.dty
     return build_header(
         (k, export_dtype(state[k], dtype), tuple(state[k].shape)) for k in plan.keys
     )
-
-
-class _FileSink:
-    """One file this rank writes, whole or not at all. A failed write is
-    recorded, not raised, so the rank keeps taking part in the gathers of
-    the file's remaining tensors; :meth:`finish` commits or aborts and
-    returns the error."""
-
-    def __init__(self, fs: pafs.FileSystem, path: str):
-        self.error: Exception | None = None
-        self.written = 0
-        self._out = None
-        try:
-            self._out = open_whole(fs, path)
-        except Exception as exc:
-            self.error = exc
-
-    def write(self, data) -> None:
-        if self.error is not None:
-            return
-        try:
-            self.written += self._out.write(data)
-        except Exception as exc:
-            self.error = exc
-
-    def finish(self) -> Exception | None:
-        if self._out is not None:
-            try:
-                (self._out.abort if self.error else self._out.commit)()
-            except Exception as exc:
-                self.error = self.error or exc
-        return self.error
-
-    def discard(self) -> None:
-        """Drop the file unless committed (after an interruption)."""
-        if self._out is not None:
-            self._out.abort()
 
 
 def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:

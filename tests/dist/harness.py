@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo"):
+def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=120):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -39,7 +39,7 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo"):
     )
     torch.manual_seed(0)
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     try:
         result = fn(rank, world_size, *args)
@@ -61,14 +61,15 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo"):
     os._exit(0)
 
 
-def run_ranks(fn, world_size: int, *args, backend: str = "gloo"):
+def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a
-    ``backend`` process group (gloo; ``"cpu:gloo,cuda:nccl"`` for GPU tests)."""
+    ``backend`` process group (gloo; ``"cpu:gloo,cuda:nccl"`` for GPU tests)
+    whose collectives time out after ``timeout_s``."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
                 _entry,
-                args=(world_size, free_port(), out_dir, fn, args, backend),
+                args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s),
                 nprocs=world_size,
                 join=True,
                 start_method="spawn",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ray_fsdp_backend import retry
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
+from ray_fsdp_backend.checkpoint.layout import extra_state_name
 from ray_fsdp_backend.checkpoint.sharded import AsyncCheckpointer, CheckpointStorageError
 from ray_fsdp_backend.retry import RetryPolicy
 from ray_fsdp_backend.retrying_fs import with_retries
@@ -69,6 +70,15 @@ class _Phases:
             }
         dist.barrier()  # the rules are cleared before any rank goes on
         return out
+
+
+TORN = {2: "__0_0.distcp", 3: ".metadata", 4: extra_state_name(0)}
+"""Checkpoint step -> the file cut to half its size (rank 0 reads each)."""
+
+
+def _tear(store, path):
+    data = store.read_file(path)
+    store.write_file(path, data[: len(data) // 2])
 
 
 def _fresh_load(store, name, rank):
@@ -131,6 +141,13 @@ def _scenarios(rank, world_size, s3, root, endpoint):
     missing = CheckpointStore(with_retries(s3, RetryPolicy(budget_s=60)), "no-such-bucket-28/run")
     phases.run("missing bucket", lambda f: None, lambda: save_sharded(missing, model, opt))
     saver.close()
+    for step, relative in TORN.items():
+        path = f"{names[step]}/{relative}"
+        phases.run(
+            f"torn {relative}",
+            lambda f, path=path: _tear(store, path),
+            lambda step=step: _fresh_load(store, names[step], rank),
+        )
     return phases.log, names, listing, after_failure, saved, loaded
 
 
@@ -151,7 +168,17 @@ def test_transient_faults_cost_retries_only_and_permanent_ones_fail_fast(s3_serv
     for name, entry in log.items():
         print(f"{name}: {entry['seconds']:.1f} s, injected {entry['injected']}, "
               f"{entry['retries']} retries")  # fmt: skip
-    transient = [n for n in log if n not in ("past the budget", "403", "missing bucket")]
+    for step, relative in TORN.items():
+        error = log[f"torn {relative}"]["error"]
+        print(f"torn {relative}: {log[f'torn {relative}']['seconds']:.2f} s: {error[:600]}")
+        assert error is not None and f"{names[step]}/{relative} is torn" in error, error
+        assert "holds" in error and "bytes" in error, error
+        assert log[f"torn {relative}"]["seconds"] < 10.0
+    assert "needs at least" in log["torn __0_0.distcp"]["error"]
+    transient = [
+        n for n in log if n not in ("past the budget", "403", "missing bucket")
+        and not n.startswith("torn")
+    ]  # fmt: skip
     for name in transient:
         assert log[name]["error"] is None, (name, log[name]["error"])
         assert log[name]["injected"], f"{name}: no fault was injected"

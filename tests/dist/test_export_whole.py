@@ -13,8 +13,14 @@ scenario in turn, recording each error message and how long it took:
   refused without ``overwrite``; with ``overwrite=True`` the old weight file
   is gone and ``from_pretrained`` returns the fine-tuned model's logits;
 - a write failure injected on rank 1: every rank raises naming rank 1's
-  error within seconds (the process group's timeout is 120 s) and no
-  temporary file is left.
+  error within seconds (the process group's timeout is 60 s) and no
+  temporary file is left; so does an error in a gather on rank 1 (as an
+  out-of-memory there), and, in a PEFT export, a failed write on rank 0 or
+  a failed gather on rank 1;
+- overwrites interrupted between phases (every rank raising after the new
+  shards are written, or at the index): the previous export still loads
+  with ``from_pretrained``; the next complete overwrite loads the new
+  weights and leaves none of the old files.
 
 Then, in this process: a writer that raises leaves no object on S3 and no
 file locally, through ``open_whole``, a plain ``open_output_stream`` block
@@ -23,6 +29,7 @@ on the retrying filesystem, and DCP's writers.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -32,6 +39,7 @@ import pytest
 import torch
 
 from ray_fsdp_backend import FSDPConfig, build_strategy
+from ray_fsdp_backend.hf import export as export_module
 from ray_fsdp_backend.hf import export_model, load_pretrained
 from ray_fsdp_backend.hf.models import build_causal_lm
 from tests.dist.harness import run_ranks
@@ -92,6 +100,105 @@ def _fail_rank1_writes(rank):
     return lambda: setattr(retrying_fs._LocalWhole, "write", real)
 
 
+def _patched(module, name, replacement):
+    """``module.name`` replaced by ``replacement(real)``; returns the undo."""
+    real = getattr(module, name)
+    setattr(module, name, replacement(real))
+    return lambda: setattr(module, name, real)
+
+
+def _failing_on(rank, failing_rank, call, error, *, before=False):
+    """A wrapper of ``real`` that, on ``failing_rank``, raises ``error`` at
+    its ``call``-th call: after the call has run (a failure inside a
+    gather, once this rank took part in its collective), or ``before``."""
+
+    def wrap(real):
+        calls = [0]
+
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            failing = rank == failing_rank and calls[0] == call
+            if failing and before:
+                raise error
+            out = real(*args, **kwargs)
+            if failing:
+                raise error
+            return out
+
+        return wrapper
+
+    return wrap
+
+
+def _interrupted(exc_text):
+    """A replacement that raises on every rank (a job killed between phases)."""
+    return lambda real: lambda *a, **k: (_ for _ in ()).throw(RuntimeError(exc_text))
+
+
+def _with(undo, fn):
+    try:
+        return _attempt(fn)
+    finally:
+        undo()
+
+
+def _non_write_failures(rank, export, base):
+    from ray_fsdp_backend.hf import writer
+
+    oom = RuntimeError("injected out of memory in a gather")
+    return {
+        "gather fails on rank 1": _with(
+            _patched(writer, "full_tensor", _failing_on(rank, 1, 3, oom)),
+            export(f"{base}/shared/gather"),
+        )
+    }
+
+
+def _overwrites(rank, world, model, export, base):
+    """Interrupted, then complete, overwrites; rank 0 snapshots the target
+    after each interruption."""
+    log = {}
+    log["cut after the shards"] = _with(
+        _patched(export_module, "verify_files", _interrupted("interrupted after the shards")),
+        export(f"{base}/cut1", overwrite=True),
+    )
+    log["fresh export"] = _attempt(export(f"{base}/cut2"))
+    fine_tune(model, rank, world, steps=1)
+    retrained = _logits(model)
+    log["cut at the index"] = _with(
+        _patched(export_module, "_index", _interrupted("interrupted at the index")),
+        export(f"{base}/cut2", overwrite=True),
+    )
+    if rank == 0:
+        shutil.copytree(f"{base}/cut2", f"{base}/cut2-after-cut")
+    log["complete overwrite"] = _attempt(export(f"{base}/cut2", overwrite=True))
+    return log, retrained
+
+
+def _peft_failures(rank, world, src, base):
+    from ray_fsdp_backend.hf import peft_export
+    from tests.dist.test_lora import _wrap as wrap_lora
+
+    _, model = wrap_lora("full_shard", rank, world, src)
+
+    def export(path):
+        return lambda: export_model(model, path, format="peft")
+
+    denied = OSError("injected adapter write failure")
+    oom = RuntimeError("injected out of memory in an adapter gather")
+    return {
+        "peft write fails on rank 0": _with(
+            _patched(peft_export, "write_bytes", _failing_on(rank, 0, 1, denied, before=True)),
+            export(f"{base}/shared/peft-write"),
+        ),
+        "peft gather fails on rank 1": _with(
+            _patched(peft_export, "_full_tensor", _failing_on(rank, 1, 2, oom)),
+            export(f"{base}/shared/peft-gather"),
+        ),
+        "peft export": _attempt(export(f"{base}/shared/peft")),
+    }
+
+
 def _scenarios(rank, world, src, base):
     config = FSDPConfig(use_fsdp=True, use_mixed_precision=False)
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)
@@ -119,9 +226,13 @@ def _scenarios(rank, world, src, base):
         log["write fails on rank 1"] = _attempt(export(f"{base}/shared/failing"))
     finally:
         restore()
+    log.update(_non_write_failures(rank, export, base))
+    log.update(_peft_failures(rank, world, src, base))
+    overwrites, retrained = _overwrites(rank, world, model, export, base)
+    log.update(overwrites)
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, log)
-    return everyone, trained
+    return everyone, trained, retrained
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +240,10 @@ def run(tmp_path_factory):
     src = save_tiny_pretrained("llama", tmp_path_factory.mktemp("src"), max_shard_size="1GB")
     base = tmp_path_factory.mktemp("export")
     shutil.copytree(src, base / "old")  # the model before fine-tuning: one model.safetensors
+    shutil.copytree(src, base / "cut1")
     os.makedirs(base / "shared")
-    logs, trained = run_ranks(_scenarios, 2, src, str(base))
-    return dict(src=src, base=base, logs=logs, trained=trained)
+    logs, trained, retrained = run_ranks(_scenarios, 2, src, str(base), timeout_s=60)
+    return dict(src=src, base=base, logs=logs, trained=trained, retrained=retrained)
 
 
 def _errors(run, scenario):
@@ -182,14 +294,60 @@ def test_old_model_refused_then_overwritten(run):
     assert not torch.allclose(got, before, atol=1e-3)  # the fine-tuned weights, not the old
 
 
-def test_write_failure_on_one_rank_fails_every_rank_promptly(run):
-    for rank, (error, seconds) in enumerate(_errors(run, "write fails on rank 1")):
+@pytest.mark.parametrize(
+    "scenario, target, cause",
+    [
+        ("write fails on rank 1", "failing", "rank 1: OSError: injected write failure"),
+        ("gather fails on rank 1", "gather", "rank 1: RuntimeError: injected out of memory"),
+        ("peft write fails on rank 0", "peft-write", "rank 0: OSError: injected adapter write"),
+        ("peft gather fails on rank 1", "peft-gather", "rank 1: RuntimeError: injected out of"),
+    ],
+)
+def test_failure_on_one_rank_fails_every_rank_promptly(run, scenario, target, cause):
+    for rank, (error, seconds) in enumerate(_errors(run, scenario)):
         print(f"rank {rank}: {seconds:.2f} s: {error}")
-        assert error is not None and "rank 1: OSError: injected write failure" in error, error
-        assert seconds < 10.0  # the process group's timeout is 120 s
-    left = os.listdir(run["base"] / "shared" / "failing")
+        assert error is not None and cause in error, error
+        assert "RankFailedError" in error and target in error, error
+        assert seconds < 10.0  # the process group's timeout is 60 s
+    where = run["base"] / "shared" / target
+    left = os.listdir(where) if where.exists() else []
     assert not [f for f in left if f.endswith(".tmp")], left
     assert "model.safetensors.index.json" not in left
+
+
+def test_the_process_group_survives_failed_exports(run):
+    for error, _ in _errors(run, "peft export") + _errors(run, "complete overwrite"):
+        assert error is None, error
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(
+        os.listdir(run["base"] / "shared" / "peft")
+    )
+
+
+def test_interrupted_overwrite_leaves_the_previous_export_loadable(run):
+    base = run["base"]
+    for scenario, cause in [
+        ("cut after the shards", "interrupted after the shards"),
+        ("cut at the index", "interrupted at the index"),
+    ]:
+        for error, _ in _errors(run, scenario):
+            assert error is not None and cause in error, error
+    # The pretrained single file beside the new shards: still the old model.
+    names = os.listdir(base / "cut1")
+    assert "model.safetensors" in names and [n for n in names if n.startswith("model-")]
+    before = _from_pretrained_logits(run["src"])
+    torch.testing.assert_close(_from_pretrained_logits(str(base / "cut1")), before)
+    # An export of ours, cut at its index: its old index still names its old shards.
+    cut = base / "cut2-after-cut"
+    assert len([n for n in os.listdir(cut) if n.endswith(".safetensors")]) > 1
+    got = _from_pretrained_logits(str(cut))
+    torch.testing.assert_close(got, run["trained"], atol=1e-5, rtol=1e-5)
+    # The complete overwrite: the new weights, and none of the old files.
+    got = _from_pretrained_logits(str(base / "cut2"))
+    torch.testing.assert_close(got, run["retrained"], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, run["trained"], atol=1e-4)
+    index = json.loads((base / "cut2" / "model.safetensors.index.json").read_text())
+    shards = {n for n in os.listdir(base / "cut2") if n.endswith(".safetensors")}
+    assert shards == set(index["weight_map"].values()), shards
 
 
 # -- a writer that raises leaves nothing -------------------------------------------------
