@@ -196,3 +196,50 @@ def test_router_stats_count_on_device_and_reset():
     stats.close()
     layers[0]["mlp"]["gate"](torch.arange(8))
     assert stats.collect() == {}
+
+
+def _tiny_moe_config(family: str, **extra):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoConfig.for_model(
+        family,
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **extra,
+    )
+
+
+def test_ep_refuses_lora_on_the_experts_by_name():
+    """PEFT ``target_parameters`` on the experts wraps ``mlp.experts``: the
+    dispatch would land on the wrapper and the adapters stay whole on every
+    rank, so ep > 1 refuses it; LoRA on the attention passes."""
+    peft = pytest.importorskip("peft")
+    from ray_fsdp_backend.strategies.expert_parallel import resolve_ep_plan
+
+    def with_lora(**targets):
+        model = _meta_model(_tiny_moe_config("qwen3_moe", num_experts=4, moe_intermediate_size=8))
+        return peft.get_peft_model(model, peft.LoraConfig(r=2, **targets))
+
+    experts = with_lora(target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    message = r"expert_parallel_size=2: a peft adapter wraps the experts 'base_model.model.model"
+    with pytest.raises(ValueError, match=message + r"\.layers\.0\.mlp\.experts'"):
+        resolve_ep_plan(experts, 2)
+    attention = with_lora(target_modules=["q_proj"])
+    assert len(resolve_ep_plan(attention, 2)) == 6
+
+
+def test_ep_refuses_llama4_as_experts_without_a_plan():
+    transformers = pytest.importorskip("transformers")
+    from ray_fsdp_backend.strategies.expert_parallel import resolve_ep_plan
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, intermediate_size_mlp=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_local_experts=4,
+    )  # fmt: skip
+    message = r"Llama4ForCausalLM is a mixture-of-experts model \(4 experts\) whose transformers"
+    with pytest.raises(ValueError, match=message + " class declares no expert-parallel plan"):
+        resolve_ep_plan(_meta_model(config), 2)
