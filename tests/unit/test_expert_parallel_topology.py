@@ -173,28 +173,49 @@ def test_renamed_key_map_finds_per_expert_keys_under_a_prefix():
     assert key_map("other.weight") is None
 
 
-class _Router(torch.nn.Module):
-    """Routes token t to experts (t % 4, 3): expert 3 takes every token."""
+def _router_reference(model, ids, top_k: int) -> dict[str, float]:
+    """Each layer's max over mean (token, expert) count from the router logits
+    transformers returns (``output_router_logits``), not from any hook."""
+    out = model(ids, output_router_logits=True)
+    ratios = {}
+    for layer, logits in enumerate(out.router_logits):
+        index = torch.topk(logits.float(), top_k, dim=-1).indices.flatten()
+        counts = torch.bincount(index, minlength=logits.shape[-1]).double()
+        ratios[f"router/layer{layer}/max_over_mean"] = float(counts.max() / counts.mean())
+    return ratios
 
-    def forward(self, tokens):
-        index = torch.stack([tokens % 4, torch.full_like(tokens, 3)], dim=-1)
-        return torch.zeros(len(tokens), 4), torch.ones(len(tokens), 2), index
 
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=8)),
+        ("gpt_oss", dict(num_local_experts=4, head_dim=8)),  # its router is mlp.router
+    ],
+)
+def test_router_stats_hook_the_family_routers_count_and_reset(family, extra):
+    transformers = pytest.importorskip("transformers")
+    from ray_fsdp_backend.metrics.router import RouterStats, find_routers
 
-def test_router_stats_count_on_device_and_reset():
-    from ray_fsdp_backend.metrics.router import RouterStats
-
-    layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict()})])
-    layers[0]["mlp"]["gate"] = _Router()
-    model = torch.nn.ModuleDict({"layers": layers})
+    config = _tiny_moe_config(family, num_experts_per_tok=2, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # uneven routing (gpt-oss starts its router at 0)
+        for _, module in find_routers(model):
+            module.weight.normal_(0, 1.0)
+    assert len(find_routers(model)) == 2
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
     stats = RouterStats(model)
     assert stats.collect() == {}
-    for _ in range(2):  # counts accumulate over forwards: [2, 2, 2, 10] per 8 tokens
-        layers[0]["mlp"]["gate"](torch.arange(8))
-    assert stats.collect() == {"router/layer0/max_over_mean": 10 * 2 / 8}
+    with torch.no_grad():
+        want = _router_reference(model, ids, 2)
+        model(ids)  # the reference ran one forward too: twice the counts, same ratios
+    got = stats.collect()
+    assert got == pytest.approx(want, rel=1e-12) and max(got.values()) > 1.0
     assert stats.collect() == {}
     stats.close()
-    layers[0]["mlp"]["gate"](torch.arange(8))
+    with torch.no_grad():
+        model(ids)
     assert stats.collect() == {}
 
 
