@@ -119,10 +119,16 @@ def split_experts(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[s
     collective, every rank calls it, and each rank then holds the layer's
     experts in full while they are written."""
     layout = CheckpointLayout(model)
+    groups: dict[str, list[str]] = {}
+    for key in state:
+        target = layout.group(key)
+        if target is not None:
+            groups.setdefault(target, []).append(key)
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        if layout.converts(key):
-            out.update(layout.convert(key, full_tensor(value).detach()))
-        else:
+        target = layout.group(key)
+        if target is None:
             out[layout.renamed(key)] = value
+        elif groups[target][0] == key:  # one group at a time, whole while it is written
+            out.update(layout.convert({k: full_tensor(state[k]).detach() for k in groups[target]}))
     return out

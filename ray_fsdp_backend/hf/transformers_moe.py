@@ -58,11 +58,13 @@ class CheckpointLayout:
         self._converters = [t for t in reverse if isinstance(t, WeightConverter)]
         self._renamings = [t for t in reverse if not isinstance(t, WeightConverter)]
 
-    def converts(self, key: str) -> bool:
-        """Whether ``key`` is rewritten from its value (split, transposed), not renamed."""
+    def group(self, key: str) -> str | None:
+        """The checkpoint target a converted ``key`` feeds (keys of one group
+        are converted together), or None for a key that is only renamed."""
         from transformers.core_model_loading import apply_converters
 
-        return apply_converters(key, self._converters)[1] is not None
+        target, pattern = apply_converters(key, self._converters)
+        return target if pattern is not None else None
 
     def renamed(self, key: str) -> str:
         """The checkpoint name of a key that is not converted."""
@@ -70,8 +72,9 @@ class CheckpointLayout:
 
         return apply_renamings(key, self._renamings)
 
-    def convert(self, key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors of converted ``key`` from its whole ``value``."""
+    def convert(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of one group of converted keys, from their
+        whole ``values``."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        return dict(revert_weight_conversion(self._model, {key: value}))
+        return dict(revert_weight_conversion(self._model, values))
