@@ -18,7 +18,7 @@ from ray_fsdp_backend.context_parallel.ring import ring_region
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard_sequence
 from ray_fsdp_backend.seeding import seed_step
 from ray_fsdp_backend.strategies.base import DistributionStrategy
-from ray_fsdp_backend.strategies.peft import peft_configs
+from ray_fsdp_backend.strategies.peft import peft_configs, refuse_tied_adapters
 from ray_fsdp_backend.topology import CP_AXIS, EP_AXIS, TP_AXIS, MeshLayout, Topology
 
 if TYPE_CHECKING:
@@ -111,8 +111,10 @@ class TrainContext:
         cache is turned off. See docs/parallelism.md. A ``peft`` model (frozen
         base, trainable adapters) wraps the same way; built on the meta device,
         its adapters get PEFT's own initialisation (docs/lora.md); one with
-        ``modules_to_save`` is refused (ValueError)."""
+        ``modules_to_save``, or with an adapter on a tied weight (LoRA on a
+        tied ``lm_head``), is refused (ValueError)."""
         refuse_modules_to_save(model)
+        refuse_tied_adapters(model)
         return self.strategy.wrap(model, tp_plan=tp_plan)
 
     def loss_parallel(self):

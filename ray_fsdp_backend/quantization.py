@@ -147,13 +147,16 @@ def check_fsdp_managed(model: nn.Module, targets: list[Target]) -> None:
 
 
 def nf4_targets(model: nn.Module) -> list[Target]:
-    """The frozen 2-D ``nn.Linear`` weights of ``model`` but its output head."""
+    """The frozen 2-D ``nn.Linear`` weights of ``model`` but its output head's
+    (a LoRA layer on the head included: its ``base_layer`` stays dense, in
+    the dtype it was loaded in, as bitsandbytes leaves it)."""
     inner = unwrap(model)
     head = getattr(inner, "get_output_embeddings", lambda: None)()
+    dense = {id(m) for m in head.modules()} if isinstance(head, nn.Module) else set()
     targets = []
     for name, module in inner.named_modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or module is head or weight is None:
+        if not isinstance(module, nn.Linear) or id(module) in dense or weight is None:
             continue
         if weight.requires_grad or weight.ndim != 2:
             continue

@@ -40,21 +40,33 @@ def default_dedicated(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
     """The default choice: 2-D weights inside a block, except embedding
     tables, and the 3-D weights of experts modules (every expert's matrix).
     Embeddings, the output head, norms and biases (outside blocks or not
-    2-D) go to AdamW."""
+    2-D; an experts module's 2-D bias stacks included) go to AdamW."""
     prefixes = tuple(p + "." for p in block_prefixes(model))
     embeddings = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }
-    stacks = {
-        id(p) for m in model.modules() for p in m.parameters(recurse=False) if is_expert_stack(m, p)
-    }
+    stacks, bias_stacks = expert_stacks(model)
 
     def is_dedicated(name: str, param: nn.Parameter) -> bool:
-        if not name.startswith(prefixes):
+        if not name.startswith(prefixes) or id(param) in bias_stacks:
             return False
         return id(param) in stacks or (param.ndim == 2 and id(param) not in embeddings)
 
     return is_dedicated
+
+
+def expert_stacks(model: nn.Module) -> tuple[set[int], set[int]]:
+    """Ids of the experts modules' 3-D weight stacks (one matrix per expert)
+    and of their 2-D bias stacks (one bias vector per expert, gpt-oss's
+    ``gate_up_proj_bias`` ``[E, 2I]``: not a matrix, so AdamW's)."""
+    stacks: set[int] = set()
+    biases: set[int] = set()
+    for m in model.modules():
+        own = list(m.parameters(recurse=False))
+        if any(is_expert_stack(m, p) for p in own):
+            stacks.update(id(p) for p in own if p.ndim == STACK_NDIM)
+            biases.update(id(p) for p in own if p.ndim < STACK_NDIM)
+    return stacks, biases
 
 
 def select_parameters(

@@ -12,7 +12,7 @@ only the experts of the rows it owns. Covered: the Qwen2-MoE family
 and Mixtral (``block_sparse_moe.experts.{e}.w1/w3/w2``).
 
 :func:`split_experts` is the export direction: the fused tensors back to the
-per-expert keys ``save_pretrained`` writes.
+keys ``save_pretrained`` writes, by transformers' own conversion mapping.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 
 from ray_fsdp_backend.collectives import full_tensor
 from ray_fsdp_backend.hf.entries import ExpertsEntry, TensorEntry
+from ray_fsdp_backend.hf.transformers_moe import CheckpointLayout
 
 # fused model suffix -> per-expert checkpoint names concatenated along dim 0, per family
 _FUSED = {
@@ -106,27 +107,28 @@ def _fused_entry(parts) -> ExpertsEntry:
 
 
 def split_experts(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """``state`` with every fused experts tensor replaced by one tensor per
-    expert under the names ``save_pretrained`` writes for ``model``'s
-    ``config.model_type`` (Mixtral: ``block_sparse_moe.experts.{e}.w1.weight`` and its router under
-    ``block_sparse_moe.gate``; others ``mlp.experts.{e}.gate_proj.weight``).
-    Order is kept; other keys are untouched. A DTensor (FSDP2, expert
-    parallel) is gathered whole first: collective, every rank calls it, and
-    each rank then holds the layer's experts in full while they are written."""
-    config = getattr(model, "config", None)
-    family = 1 if getattr(config, "model_type", None) == "mixtral" else 0
+    """``state`` under the key layout ``save_pretrained`` writes for
+    ``model``'s family, read from transformers' own conversion mapping
+    (:class:`~ray_fsdp_backend.hf.transformers_moe.CheckpointLayout`), not
+    from ``model_type``: a fused experts tensor the family's checkpoints hold
+    per expert is split (Qwen-MoE's ``mlp.experts.{e}.gate_proj.weight``;
+    Mixtral and MiniMax's ``block_sparse_moe.experts.{e}.w1.weight``, their
+    routers under ``block_sparse_moe.gate``); gpt-oss keeps its fused,
+    interleaved tensors. Order is kept; other keys are renamed only. A
+    converted DTensor (FSDP2, expert parallel) is gathered whole first:
+    collective, every rank calls it, and each rank then holds the layer's
+    experts in full while they are written."""
+    layout = CheckpointLayout(model)
+    groups: dict[str, list[str]] = {}
+    for key in state:
+        target = layout.group(key)
+        if target is not None:
+            groups.setdefault(target, []).append(key)
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        suffix = next((s for s in _FUSED if key.endswith(s)), None)
-        if family:
-            key = key.replace(".mlp.", _MIXTRAL_BLOCK)
-        if suffix is None:
-            out[key] = value
-            continue
-        full = full_tensor(value)
-        names = _FUSED[suffix][family]
-        prefix = key[: -len(suffix)]
-        for e, expert in enumerate(full.detach()):
-            for name, part in zip(names, expert.chunk(len(names)), strict=True):
-                out[f"{prefix}experts.{e}.{name}.weight"] = part
+        target = layout.group(key)
+        if target is None:
+            out[layout.renamed(key)] = value
+        elif groups[target][0] == key:  # one group at a time, whole while it is written
+            out.update(layout.convert({k: full_tensor(state[k]).detach() for k in groups[target]}))
     return out

@@ -83,7 +83,9 @@ def export_model(
     ``format="peft"``: a PEFT model's adapters as
     ``PeftModel.from_pretrained`` reads them. ``dtype`` (floating-point
     tensors only) defaults to the dtype of the weights ``load_pretrained``
-    read, else the parameters' dtype. ``format="safetensors"`` (also chosen
+    read, else the parameters' dtype; under ``format="peft"`` to each
+    adapter's own (trained) dtype, as peft's ``save_pretrained``.
+    ``format="safetensors"`` (also chosen
     by a ``path`` ending in ``.safetensors``): one file written by rank 0,
     every state key under its own name (tied weights repeated).
     Collective: every rank calls it; returns ``path`` once complete.
@@ -118,12 +120,21 @@ def export_model(
         format = "safetensors"
     parse_size(max_shard_size)
     fs, root = resolve_filesystem(text, filesystem)
-    source = loaded_from(model)
-    if dtype is None:
-        dtype = source.dtype if source and source.dtype else next(model.parameters()).dtype
+    dtype = default_export_dtype(model, format, dtype)
     check_target(fs, root, overwrite, text)
     EXPORTERS[format](model, fs, root, max_shard_size=max_shard_size, dtype=dtype, uri=text)
     return text
+
+
+def default_export_dtype(model: nn.Module, format: str, dtype: torch.dtype | None):
+    """``dtype`` when given; else, for ``format="peft"``, None: each adapter
+    keeps the dtype it trained in, as peft's ``save_pretrained`` writes it
+    (fp32 adapters over a bf16 base stay fp32); else the dtype of the weights
+    ``load_pretrained`` read, else the parameters' dtype."""
+    if dtype is not None or format == "peft":
+        return dtype
+    source = loaded_from(model)
+    return source.dtype if source and source.dtype else next(model.parameters()).dtype
 
 
 def export_hf(

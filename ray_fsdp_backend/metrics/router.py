@@ -1,7 +1,8 @@
 """Router statistics of a mixture-of-experts model: how evenly each MoE
 layer's router spreads tokens over its experts.
 
-:class:`RouterStats` hooks every router (``mlp.gate``, whose output is
+:class:`RouterStats` hooks every router (:func:`find_routers`: Qwen's and
+Mixtral's ``mlp.gate``, gpt-oss's ``mlp.router``, whose output is
 transformers' ``(router_logits, top_k_weights, top_k_index)``) and counts,
 on the device, the (token, expert) pairs each expert is picked for: no host
 sync between logging steps. :meth:`RouterStats.collect`, called on logging
@@ -21,6 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ray_fsdp_backend.hf.transformers_moe import router_class
+from ray_fsdp_backend.strategies.expert_parallel import experts_modules
+
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -33,8 +37,7 @@ class RouterStats:
         self._counts: dict[str, torch.Tensor] = {}
         self._handles = [
             module.register_forward_hook(self._counter(_label(name)))
-            for name, module in model.named_modules()
-            if name.endswith("mlp.gate")
+            for name, module in find_routers(model)
         ]
 
     def _counter(self, label: str):
@@ -71,6 +74,23 @@ class RouterStats:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def find_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each MoE layer's router, found by the family's own
+    tables: in the block holding each experts module of the model's
+    expert-parallel plan (``base_model_ep_plan``), the child of the class
+    transformers records router logits from. Empty for a dense model."""
+    cls = router_class(model)
+    if cls is None:
+        return []
+    routers = []
+    for experts in experts_modules(model):
+        block = experts.rpartition(".")[0]
+        for child, module in model.get_submodule(block).named_children():
+            if isinstance(module, cls):
+                routers.append((f"{block}.{child}", module))
+    return routers
 
 
 def _label(name: str) -> str:

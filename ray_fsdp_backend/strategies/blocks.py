@@ -12,7 +12,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ray_fsdp_backend.strategies.cpu_rng import single_process_rng_on_cpu_meshes
+from ray_fsdp_backend.strategies.cpu_rng import (
+    full_copies_into_shards,
+    single_process_rng_on_cpu_meshes,
+)
 from ray_fsdp_backend.strategies.peft import (
     check_meta_initialisable,
     is_peft_model,
@@ -182,7 +185,7 @@ def materialize_meta_module(
         owner, _, attr = name.rpartition(".")
         buffers = model.get_submodule(owner)._buffers
         buffers[attr] = buffers[attr].to(buffer_device or device)
-    with torch.no_grad(), single_process_rng_on_cpu_meshes(device):
+    with torch.no_grad(), single_process_rng_on_cpu_meshes(device), full_copies_into_shards():
         if callable(init):
             init()
         else:

@@ -86,3 +86,36 @@ def single_process_rng_on_cpu_meshes(device: torch.device | str) -> Iterator[Non
         return
     with _FullDrawMode():
         yield
+
+
+class _FullCopyMode(TorchDispatchMode):
+    """``sharded.copy_(full)``: a plain tensor of a DTensor's global shape
+    copied into it (transformers' ``init.copy_``, as Qwen3-Next's
+    ``_init_weights`` fills ``A_log``) keeps this rank's part, where DTensor
+    itself refuses a mixed copy. Every rank holds the same full tensor (drawn
+    as one process draws it), so no communication."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target, source = (args + (None, None))[:2]
+        if (
+            func is not aten.copy_.default
+            or not isinstance(target, DTensor)
+            or not isinstance(source, torch.Tensor)
+            or isinstance(source, DTensor)
+            or tuple(source.shape) != tuple(target.shape)
+        ):
+            return func(*args, **kwargs)
+        local = target.to_local()
+        full = source.to(device=local.device, dtype=local.dtype)
+        mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        local.copy_(mine.to_local())
+        return target
+
+
+@contextlib.contextmanager
+def full_copies_into_shards() -> Iterator[None]:
+    """Within it, copying a full plain tensor into a DTensor keeps this
+    rank's part (see :class:`_FullCopyMode`)."""
+    with _FullCopyMode():
+        yield

@@ -29,7 +29,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from ray_fsdp_backend.expert_plan import EXPERT_COUNT_KEYS
 from ray_fsdp_backend.mesh import EXPERT_BATCH_AXIS, slice_flattened
+from ray_fsdp_backend.strategies.peft import tuner_layers
 from ray_fsdp_backend.topology import EP_AXIS
 
 DISPATCH_STYLE = "ep_dispatch_experts"
@@ -42,22 +44,14 @@ def resolve_ep_plan(model: nn.Module, expert_parallel_size: int) -> dict[str, st
 
     Raises:
         ValueError: the model has no experts (no plan, or a plan matching
-            nothing), or an expert count not divisible by
-            ``expert_parallel_size``.
+            nothing; a mixture-of-experts class without a plan, Llama 4, is
+            named as such), a PEFT adapter wraps the experts, or an expert
+            count not divisible by ``expert_parallel_size``.
     """
-    config = getattr(model, "config", None)
-    plan = dict(getattr(config, "base_model_ep_plan", None) or {})
-    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
-    resolved = {}
-    for pattern, style in plan.items():
-        regex = re.compile(r"(?:.*\.)?" + re.escape(pattern).replace(r"\*", r"\d+"))
-        resolved.update({name: style for name in names if regex.fullmatch(name)})
+    resolved = expand_ep_plan(model)
     if DISPATCH_STYLE not in resolved.values():
-        raise ValueError(
-            f"expert_parallel_size={expert_parallel_size}: {type(model).__name__} has no "
-            "experts to split (no base_model_ep_plan with an ep_dispatch_experts module); "
-            "set expert_parallel_size: 1 for a dense model"
-        )
+        raise ValueError(_no_plan_message(model, expert_parallel_size))
+    refuse_expert_adapters(model, resolved, expert_parallel_size)
     for name in _dispatch_modules(resolved):
         experts = model.get_submodule(name).num_experts
         if experts % expert_parallel_size:
@@ -66,6 +60,62 @@ def resolve_ep_plan(model: nn.Module, expert_parallel_size: int) -> dict[str, st
                 f"{name} ({experts} experts): each ep rank holds the same number of experts"
             )
     return resolved
+
+
+def expand_ep_plan(model: nn.Module) -> dict[str, str]:
+    """PURE: the model's ``base_model_ep_plan`` matched against its module and
+    parameter names under any prefix (empty for a model without a plan)."""
+    config = getattr(model, "config", None)
+    plan = dict(getattr(config, "base_model_ep_plan", None) or {})
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    resolved = {}
+    for pattern, style in plan.items():
+        regex = re.compile(r"(?:.*\.)?" + re.escape(pattern).replace(r"\*", r"\d+"))
+        resolved.update({name: style for name in names if regex.fullmatch(name)})
+    return resolved
+
+
+def experts_modules(model: nn.Module) -> list[str]:
+    """Names of the experts modules the model's expert-parallel plan
+    dispatches to (one per MoE layer; none for a dense model)."""
+    return _dispatch_modules(expand_ep_plan(model))
+
+
+def _no_plan_message(model: nn.Module, ep: int) -> str:
+    """Why ``model`` cannot be split: a mixture-of-experts whose transformers
+    class ships no ``base_model_ep_plan`` (Llama 4), or a dense model."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    count = next((getattr(config, k) for k in EXPERT_COUNT_KEYS if getattr(config, k, 0)), 0)
+    if count:
+        return (
+            f"expert_parallel_size={ep}: {type(model).__name__} is a mixture-of-experts model "
+            f"({count} experts) whose transformers class declares no expert-parallel plan "
+            "(config.base_model_ep_plan), so its experts cannot be split over ep; "
+            "set expert_parallel_size: 1 (its experts are then FSDP-sharded like dense layers)"
+        )
+    return (
+        f"expert_parallel_size={ep}: {type(model).__name__} has no experts to split (no "
+        "base_model_ep_plan with an ep_dispatch_experts module); set expert_parallel_size: 1 "
+        "for a dense model"
+    )
+
+
+def refuse_expert_adapters(model: nn.Module, plan: dict[str, str], ep: int) -> None:
+    """Raise ``ValueError`` when a PEFT adapter wraps an experts module of
+    the plan (LoRA ``target_parameters`` on ``mlp.experts.*``): the dispatch
+    would be installed on PEFT's wrapper and the adapters never split with
+    the experts, so ranks would compute different, wrong updates."""
+    dispatch = _dispatch_modules(plan)
+    for layer, _ in tuner_layers(model):
+        hit = next((d for d in dispatch if layer == d or layer.startswith(d + ".")), None)
+        if hit is not None:
+            raise ValueError(
+                f"expert_parallel_size={ep}: a peft adapter wraps the experts {hit!r} "
+                "(LoRA target_parameters on mlp.experts.*): adapters on experts are not "
+                "split over ep; target the attention or dense layers, or set "
+                "expert_parallel_size: 1"
+            )
 
 
 def _dispatch_modules(plan: dict[str, str]) -> list[str]:

@@ -126,6 +126,27 @@ def _reset_layer(layer: nn.Module, adapter: str, config) -> None:
     )
 
 
+def refuse_tied_adapters(model: nn.Module) -> None:
+    """Raise ``ValueError`` when a PEFT adapter layer's base weight is shared
+    with another module (LoRA on ``lm_head`` with ``tie_word_embeddings``):
+    the merged export keeps one copy of a tied weight, so the adapter's delta
+    would be lost or land on the embedding too (peft warns of the same), and
+    a model built on the meta device cannot be re-tied through the adapter."""
+    owners: dict[int, list[str]] = {}
+    for name, p in unwrap(model).named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for layer_name, layer in tuner_layers(model):
+        base = getattr(getattr(layer, "base_layer", None), "weight", None)
+        others = [n for n in owners.get(id(base), []) if not n.startswith(f"{layer_name}.")]
+        if base is not None and others:
+            raise ValueError(
+                f"peft adapter on {layer_name!r}: its base weight is tied to {others[0]!r} "
+                "(tie_word_embeddings=True); LoRA on a tied weight is not supported (the "
+                "merged export keeps one copy of it); leave that module out of "
+                "target_modules, or untie the weights"
+            )
+
+
 # -- whether the frozen base holds real weights ----------------------------
 
 

@@ -135,9 +135,10 @@ def _train_experts(rank: int, ep: int, path: str) -> dict:
             "planned": [m.name for m in opt.plan.matrices]}  # fmt: skip
 
 
-def on_ranks(rank: int, world_size: int, init: str, moe: str) -> dict:
+def on_ranks(rank: int, world_size: int, init: str, moe: str, gpt_oss: str) -> dict:
     runs = {name: _train_layout(tp, cp, init) for name, (tp, cp) in LAYOUTS.items()}
     runs.update({f"ep{ep}": _train_experts(rank, ep, moe) for ep in EP_SIZES})
+    runs["gpt_oss_ep2"] = _train_experts(rank, 2, gpt_oss)
     return runs
 
 
@@ -158,8 +159,18 @@ def moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(init, moe):
-    return run_ranks(on_ranks, 4, init, moe)
+def gpt_oss(tmp_path_factory) -> str:
+    """A tiny gpt-oss (4 experts with 2-D bias stacks ``[E, 2I]``, nonzero)."""
+    from tests.unit.test_dmuon_stacks import tiny_gpt_oss
+
+    path = str(tmp_path_factory.mktemp("dmuon_gpt_oss"))
+    tiny_gpt_oss().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(init, moe, gpt_oss):
+    return run_ranks(on_ranks, 4, init, moe, gpt_oss)
 
 
 def _initial(init: str) -> Transformer:
@@ -212,16 +223,21 @@ def _moe_reference(path: str, per_expert: bool) -> tuple[dict, dict]:
     """The initial and final parameters of one process: torch's Muon on the
     blocks' 2-D weights and on every expert's matrix as its own parameter
     (``per_expert``), or on each ``[E, out, in]`` stack taken as one
-    ``[E * out, in]`` matrix; AdamW on the rest."""
+    ``[E * out, in]`` matrix; AdamW on the rest (the experts' bias stacks
+    ``[E, out]`` among it)."""
     model = pytest.importorskip("transformers").AutoModelForCausalLM.from_pretrained(path)
     named = list(model.named_parameters())
     first = {n: p.detach().clone() for n, p in named}
     stacks = [p for n, p in named if p.ndim == 3]
     views = [list(p.detach()) if per_expert else [p.detach().flatten(0, 1)] for p in stacks]
     proxies = [[torch.nn.Parameter(v.clone()) for v in vs] for vs in views]
-    matrices = [p for n, p in named if n.startswith("model.layers.") and p.ndim == 2]
+    biases = {n for n, p in named if ".experts." in n and p.ndim == 2}
+    matrices = [
+        p for n, p in named if n.startswith("model.layers.") and p.ndim == 2 and n not in biases
+    ]
     muon = torch.optim.Muon(matrices + [q for qs in proxies for q in qs], **MUON)
-    adamw = torch.optim.AdamW([p for n, p in named if p.ndim == 1 or "layers" not in n], **ADAMW)
+    rest = [p for n, p in named if p.ndim == 1 or "layers" not in n or n in biases]
+    adamw = torch.optim.AdamW(rest, **ADAMW)
     with mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", fp32_newton_schulz):
         for step in range(STEPS):
             rows = moe_rows(step)
@@ -277,3 +293,21 @@ def test_each_expert_is_orthogonalised_once_where_it_lives(runs):
             assert held <= set(range(ep_rank * local, (ep_rank + 1) * local)), (ep, held)
     # the same dense exchange at ep 2 and ep 4: ep adds no DMuon traffic
     assert [b for *_, b in runs["ep2"]["ranks"]] == [b for *_, b in runs["ep4"]["ranks"]]
+
+
+def test_dmuon_at_ep2_leaves_gpt_oss_bias_stacks_to_adamw(runs, gpt_oss):
+    """gpt-oss at ep 2 (refused before with an unrelated message): each
+    expert's matrix by torch's Muon, the 2-D bias stacks by AdamW."""
+    run = runs["gpt_oss_ep2"]
+    first, want = _moe_reference(gpt_oss, per_expert=True)
+    assert set(run["params"]) == set(want)
+    for name in want:
+        torch.testing.assert_close(run["params"][name], want[name], rtol=1e-4, atol=2e-5, msg=name)
+    biases = [n for n in want if n.endswith("_proj_bias")]
+    assert len(biases) == 4 and min(float((want[n] - first[n]).abs().max()) for n in biases) > 1e-4
+    names = [n for _, owned, _ in run["ranks"] for n in owned]
+    assert sorted(names) == sorted(f"{s}[{e}]" for s in _stacks(want) for e in range(4))
+
+
+def _stacks(params: dict) -> list[str]:
+    return [n for n, p in params.items() if p.ndim == 3]

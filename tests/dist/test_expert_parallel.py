@@ -10,7 +10,8 @@ adapters loaded from a PEFT directory), under Ulysses context parallelism
 (dp_shard 2 x cp 2, ep 2: each ep group is a cp group, its ranks the two
 halves of the same rows) and in mixed precision (bf16 parameters and
 compute, fp32 reduce); a tiny Mixtral and a Qwen2-MoE with a shared expert
-at ep 2.
+at ep 2; a Qwen3-Next (gated delta-net attention, a shared expert; its
+initialisation copies a full tensor into a sharded parameter) at ep 2.
 
 Each case loads the same checkpoint with ``load_pretrained`` (each rank's
 requests to the store add up to its own experts and dense shard), compares
@@ -86,6 +87,7 @@ CASES = {
     "qwen3_ep2_bf16": Case("qwen3_moe", 2, bf16=True),
     "mixtral_ep2": Case("mixtral", 2),
     "qwen2_shared_ep2": Case("qwen2_moe", 2),
+    "qwen3_next_ep2": Case("qwen3_next", 2),
 }
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
@@ -106,8 +108,17 @@ def tiny_moe_config(family: str):
     if family == "mixtral":
         return transformers.MixtralConfig(num_local_experts=EXPERTS, intermediate_size=24, **common)
     extra = dict(num_experts=EXPERTS, moe_intermediate_size=16, intermediate_size=48)
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen3_next"):
         extra.update(shared_expert_intermediate_size=24)
+    if family == "qwen3_next":  # one linear-attention (gated delta) layer, one full
+        extra.update(
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        )
     cls = transformers.AutoConfig.for_model(family).__class__
     return cls(**extra, **common)
 

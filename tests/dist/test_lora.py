@@ -122,12 +122,13 @@ def _four_ranks(rank, world, path, root):
 # -- 2 ranks ---------------------------------------------------------------------------
 
 
-def _two_ranks(rank, world, path, root4, root2):
+def _two_ranks(rank, world, path, root4, root2, path_bf16):
     out = {"resumed": _resume_four(rank, world, path, root4)}
     # bf16 frozen base, fp32 adapters in the same FSDP units.
     _, model = _wrap("full_shard", rank, world, path, dtype=torch.bfloat16)
     dtypes = {p.dtype: p.requires_grad for p in model.parameters()}
     out["bf16"] = (_logits(model), dtypes)
+    out["bf16_export"] = _export_bf16_checkpoint(rank, world, path_bf16, root2)
 
     for name in CONFIGS:
         strategy, model = _wrap(name, rank, world, path)
@@ -140,6 +141,17 @@ def _two_ranks(rank, world, path, root4, root2):
             out.update(_checkpoint_and_export(rank, world, path, model, opt, root2))
     out["dmuon"] = _dmuon_step(rank, world, path)
     return out
+
+
+def _export_bf16_checkpoint(rank, world, path_bf16, root):
+    """Adapters over a bf16 checkpoint's base exported as PEFT: without
+    ``dtype=`` (their own fp32, as peft's save_pretrained) and with bf16."""
+    from ray_fsdp_backend.hf import export_model
+
+    _, model = _wrap("full_shard", rank, world, path_bf16, dtype=torch.bfloat16)
+    export_model(model, os.path.join(root, "peft_bf16"), format="peft")
+    export_model(model, os.path.join(root, "peft_bf16_cast"), format="peft", dtype=torch.bfloat16)
+    return _trainable(model)
 
 
 def _dmuon_step(rank, world, path):
@@ -261,8 +273,14 @@ def ckpt2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two(llama, four, ckpt4, ckpt2):
-    return run_ranks(_two_ranks, 2, llama, ckpt4, ckpt2)
+def llama_bf16(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_bf16")
+    return save_tiny_pretrained("llama", path, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def two(llama, four, ckpt4, ckpt2, llama_bf16):
+    return run_ranks(_two_ranks, 2, llama, ckpt4, ckpt2, llama_bf16)
 
 
 def test_logits_after_load_equal_the_base_model(llama, four, two):
@@ -349,3 +367,25 @@ def test_only_adapters_get_gradients_and_optimizer_state(two):
     assert memory["frozen_with_grad"] == memory["trainable_without_grad"] == 0
     assert memory["frozen_with_state"] == 0
     assert memory["trainable_without_state"] == 0
+
+
+def test_peft_export_keeps_the_adapters_dtype_as_peft_does(llama_bf16, two, ckpt2, tmp_path):
+    """Over a bf16 checkpoint the adapters train in fp32: the PEFT export
+    writes them in fp32 (bitwise the trained values), as peft's own
+    ``save_pretrained`` does for the same model; ``dtype=`` still casts."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(llama_bf16, dtype=torch.bfloat16)
+    get_peft_model(base, LoraConfig(**LORA)).save_pretrained(tmp_path)
+    want = load_file(os.path.join(tmp_path, "adapter_model.safetensors"))
+    got = load_file(os.path.join(ckpt2, "peft_bf16", "adapter_model.safetensors"))
+    cast = load_file(os.path.join(ckpt2, "peft_bf16_cast", "adapter_model.safetensors"))
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    assert {v.dtype for v in want.values()} == {torch.float32}
+    assert {v.dtype for v in cast.values()} == {torch.bfloat16}
+    trained = {k.replace(".default", ""): v for k, v in two["bf16_export"].items()}
+    assert set(trained) == set(got)
+    for key, value in got.items():
+        assert torch.equal(value, trained[key]), key

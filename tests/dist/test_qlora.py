@@ -33,10 +33,11 @@ LAYOUTS = {
     "full_shard": dict(use_fsdp=True),
     "hybrid_shard": dict(use_fsdp=True, fsdp_sharding_strategy="hybrid_shard"),
 }
+HEAD_LORA = dict(LORA, target_modules=["q_proj", "lm_head"])
 NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
 
 
-def _peft_model(path, *, meta=True):
+def _peft_model(path, *, meta=True, lora=LORA):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -45,15 +46,15 @@ def _peft_model(path, *, meta=True):
             base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     else:
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return get_peft_model(base, LoraConfig(**LORA))
+    return get_peft_model(base, LoraConfig(**lora))
 
 
-def _wrap(name, rank, world, path, *, load=True):
+def _wrap(name, rank, world, path, *, load=True, lora=LORA):
     # hybrid_shard replicates across "nodes": LOCAL_WORLD_SIZE ranks shard.
     os.environ["LOCAL_WORLD_SIZE"] = str(world // 2 if name == "hybrid_shard" else world)
     config = FSDPConfig(use_mixed_precision=False, **LAYOUTS[name])
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)
-    model = strategy.wrap(_peft_model(path))
+    model = strategy.wrap(_peft_model(path, lora=lora))
     if load:
         load_pretrained(model, path, quantize="nf4")
     return strategy, model
@@ -127,6 +128,11 @@ def _ranks(rank, world, path, root):
             out["memory"] = _memory(model, opt, world)
         if name == "full_shard" and world == 2:
             out.update(_checkpoint_and_export(strategy, model, opt, rank, world, path, root))
+    if world == 2:  # the output head among the targets: its base stays dense
+        _, model = _wrap("full_shard", rank, world, path, lora=HEAD_LORA)
+        head = model.get_output_embeddings().base_layer.weight
+        out["head/logits"] = _logits(model)
+        out["head/base"] = (type(head._local_tensor).__name__, head.dtype)
     return out
 
 
@@ -182,17 +188,25 @@ def _memory(model, opt, world):
 # -- one process ---------------------------------------------------------------------------
 
 
-def _reference(path, start):
-    """peft over a ``to_nf4`` base in one process: logits, then (loss, grad norm) per step."""
+def _nf4_reference(path, lora=LORA):
+    """peft over a ``to_nf4`` base in one process, the output head (and a
+    LoRA layer's base inside it) left dense as bitsandbytes leaves it."""
     from torchao.quantization import to_nf4
 
-    model = _peft_model(path, meta=False)
-    head = model.get_output_embeddings()
+    model = _peft_model(path, meta=False, lora=lora)
+    head = set(model.get_output_embeddings().modules())
     with torch.no_grad():
         for module in list(model.modules()):
             w = getattr(module, "weight", None)
-            if isinstance(module, torch.nn.Linear) and module is not head and not w.requires_grad:
+            if isinstance(module, torch.nn.Linear) and module not in head and not w.requires_grad:
                 module.weight = torch.nn.Parameter(to_nf4(w.detach()), requires_grad=False)
+    return model
+
+
+def _reference(path, start):
+    """peft over a ``to_nf4`` base in one process: logits, then (loss, grad norm) per step."""
+    model = _nf4_reference(path)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:
                 p.copy_(start[name])
@@ -322,3 +336,16 @@ def test_exports_reload_with_peft_and_from_pretrained(llama, ranks, root):
     error = float((adapted - trained).abs().max())
     print(f"QLoRA adapters over the fp32 base: max |logit error| {error:.4f}")
     assert 1e-3 < error < 0.5
+
+
+def test_a_targeted_output_head_stays_dense(llama, ranks):
+    """LoRA on ``lm_head``: its base weight stays dense in the checkpoint's
+    dtype (fp32 here), as bitsandbytes and the docs keep the head; logits
+    equal one process's peft over the same NF4 base with a dense head."""
+    world, out = ranks
+    if world != 2:
+        pytest.skip("checked in the 2-rank spawn")
+    assert out["head/base"] == ("Tensor", torch.float32)
+    with torch.no_grad():
+        want = _nf4_reference(llama, HEAD_LORA)(input_ids()).logits
+    torch.testing.assert_close(out["head/logits"], want, rtol=1e-4, atol=1e-5)

@@ -38,16 +38,46 @@ def test_default_choice_takes_the_expert_stacks_and_plans_only_matrices():
     assert dedicated_stacks(model) == [(8, 32, 32), (8, 32, 16)] * 2
 
 
-def test_equals_torch_muon_expert_by_expert_bitwise():
-    model = tiny_moe()
+def tiny_gpt_oss() -> torch.nn.Module:
+    """gpt-oss: experts with 2-D bias stacks (``gate_up_proj_bias`` ``[E, 2I]``)."""
+    from tests.zoo_families import build_family
+
+    model = build_family("gpt_oss", seed=3)
+    with torch.no_grad():  # biases and router that move the loss (gpt-oss inits them to 0)
+        for name, p in model.named_parameters():
+            if "bias" in name or "router" in name:
+                p.normal_(0, 0.2)
+    return model
+
+
+def test_default_choice_leaves_expert_bias_stacks_to_adamw():
+    dedicated, rest = select_parameters(tiny_gpt_oss())
+    biases = {f"model.layers.{i}.mlp.experts.{n}_bias" for i in (0, 1) for n in GPT_OSS}
+    assert biases <= {n for n, _ in rest}
+    assert {f"model.layers.{i}.mlp.experts.{n}" for i in (0, 1) for n in GPT_OSS} <= {
+        n for n, _ in dedicated
+    }
+
+
+GPT_OSS = ("gate_up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("build", [tiny_moe, tiny_gpt_oss], ids=["qwen3_moe", "gpt_oss"])
+def test_equals_torch_muon_expert_by_expert_bitwise(build):
+    """torch's Muon on every expert's matrix as its own parameter and on the
+    blocks' other 2-D weights; AdamW on the rest, the experts' 1-D and 2-D
+    biases among them."""
+    model = build()
     ref = copy.deepcopy(model)
     opt = dmuon.Muon(model, **HYPER, adamw_lr=1e-3)
     named = list(ref.named_parameters())
-    stacks = [p for n, p in named if n in STACKS]
+    names = {n for n, p in named if p.ndim == 3}
+    stacks = [p for n, p in named if n in names]
     proxies = [[torch.nn.Parameter(m.detach().clone()) for m in p] for p in stacks]
-    matrices = [p for n, p in named if n.startswith("model.layers.") and p.ndim == 2]
+    layers = [(n, p) for n, p in named if n.startswith("model.layers.")]
+    matrices = [p for n, p in layers if p.ndim == 2 and ".experts." not in n]
     muon = torch.optim.Muon(matrices + [q for qs in proxies for q in qs], **HYPER)
-    rest = [p for n, p in named if p.ndim == 1 or "layers" not in n]
+    rest = [p for n, p in named if p.ndim == 1 or "layers" not in n or n.endswith("_bias")]
     adamw = torch.optim.AdamW(
         rest, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True
     )
@@ -69,7 +99,10 @@ def test_equals_torch_muon_expert_by_expert_bitwise():
     for (name, got), want in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(got, want), name
     done = opt.last_step_stats.orthogonalized
-    assert {n for n in done if ".experts." in n} == {f"{s}[{e}]" for s in STACKS for e in range(8)}
+    experts = len(stacks[0])
+    assert {n for n in done if ".experts." in n} == {
+        f"{s}[{e}]" for s in names for e in range(experts)
+    }
 
 
 def test_orthogonalize_stacks_batches_by_matrix_shape():

@@ -173,26 +173,94 @@ def test_renamed_key_map_finds_per_expert_keys_under_a_prefix():
     assert key_map("other.weight") is None
 
 
-class _Router(torch.nn.Module):
-    """Routes token t to experts (t % 4, 3): expert 3 takes every token."""
+def _router_reference(model, ids, top_k: int) -> dict[str, float]:
+    """Each layer's max over mean (token, expert) count from the router logits
+    transformers returns (``output_router_logits``), not from any hook."""
+    out = model(ids, output_router_logits=True)
+    ratios = {}
+    for layer, logits in enumerate(out.router_logits):
+        index = torch.topk(logits.float(), top_k, dim=-1).indices.flatten()
+        counts = torch.bincount(index, minlength=logits.shape[-1]).double()
+        ratios[f"router/layer{layer}/max_over_mean"] = float(counts.max() / counts.mean())
+    return ratios
 
-    def forward(self, tokens):
-        index = torch.stack([tokens % 4, torch.full_like(tokens, 3)], dim=-1)
-        return torch.zeros(len(tokens), 4), torch.ones(len(tokens), 2), index
 
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=8)),
+        ("gpt_oss", dict(num_local_experts=4, head_dim=8)),  # its router is mlp.router
+    ],
+)
+def test_router_stats_hook_the_family_routers_count_and_reset(family, extra):
+    transformers = pytest.importorskip("transformers")
+    from ray_fsdp_backend.metrics.router import RouterStats, find_routers
 
-def test_router_stats_count_on_device_and_reset():
-    from ray_fsdp_backend.metrics.router import RouterStats
-
-    layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict()})])
-    layers[0]["mlp"]["gate"] = _Router()
-    model = torch.nn.ModuleDict({"layers": layers})
+    config = _tiny_moe_config(family, num_experts_per_tok=2, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # uneven routing (gpt-oss starts its router at 0)
+        for _, module in find_routers(model):
+            module.weight.normal_(0, 1.0)
+    assert len(find_routers(model)) == 2
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
     stats = RouterStats(model)
     assert stats.collect() == {}
-    for _ in range(2):  # counts accumulate over forwards: [2, 2, 2, 10] per 8 tokens
-        layers[0]["mlp"]["gate"](torch.arange(8))
-    assert stats.collect() == {"router/layer0/max_over_mean": 10 * 2 / 8}
+    with torch.no_grad():
+        want = _router_reference(model, ids, 2)
+        model(ids)  # the reference ran one forward too: twice the counts, same ratios
+    got = stats.collect()
+    assert got == pytest.approx(want, rel=1e-12) and max(got.values()) > 1.0
     assert stats.collect() == {}
     stats.close()
-    layers[0]["mlp"]["gate"](torch.arange(8))
+    with torch.no_grad():
+        model(ids)
     assert stats.collect() == {}
+
+
+def _tiny_moe_config(family: str, **extra):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoConfig.for_model(
+        family,
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **extra,
+    )
+
+
+def test_ep_refuses_lora_on_the_experts_by_name():
+    """PEFT ``target_parameters`` on the experts wraps ``mlp.experts``: the
+    dispatch would land on the wrapper and the adapters stay whole on every
+    rank, so ep > 1 refuses it; LoRA on the attention passes."""
+    peft = pytest.importorskip("peft")
+    from ray_fsdp_backend.strategies.expert_parallel import resolve_ep_plan
+
+    def with_lora(**targets):
+        model = _meta_model(_tiny_moe_config("qwen3_moe", num_experts=4, moe_intermediate_size=8))
+        return peft.get_peft_model(model, peft.LoraConfig(r=2, **targets))
+
+    experts = with_lora(target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    message = r"expert_parallel_size=2: a peft adapter wraps the experts 'base_model.model.model"
+    with pytest.raises(ValueError, match=message + r"\.layers\.0\.mlp\.experts'"):
+        resolve_ep_plan(experts, 2)
+    attention = with_lora(target_modules=["q_proj"])
+    assert len(resolve_ep_plan(attention, 2)) == 6
+
+
+def test_ep_refuses_llama4_as_experts_without_a_plan():
+    transformers = pytest.importorskip("transformers")
+    from ray_fsdp_backend.strategies.expert_parallel import resolve_ep_plan
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, intermediate_size_mlp=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_local_experts=4,
+    )  # fmt: skip
+    message = r"Llama4ForCausalLM is a mixture-of-experts model \(4 experts\) whose transformers"
+    with pytest.raises(ValueError, match=message + " class declares no expert-parallel plan"):
+        resolve_ep_plan(_meta_model(config), 2)

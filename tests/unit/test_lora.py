@@ -120,3 +120,30 @@ def test_other_peft_methods_get_their_own_init_on_meta():
         materialize_meta_module(model, "cpu")
         values = [p for n, p in model.named_parameters() if f".{name}." in n]
         assert values and all(torch.all(p == want) for p in values), name
+
+
+def test_peft_export_keeps_the_adapters_dtype_as_peft_save_pretrained(tmp_path):
+    """A bf16 checkpoint under fp32 adapters: ``format="peft"`` writes what
+    peft's own ``save_pretrained`` writes (fp32), not the checkpoint's bf16;
+    ``dtype=`` still casts."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ray_fsdp_backend.hf import export_model, load_pretrained
+    from tests.hf_models import save_tiny_pretrained
+
+    path = save_tiny_pretrained("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    load_pretrained(model, path)  # the export's default dtype is the checkpoint's
+    model.save_pretrained(tmp_path / "peft")
+    export_model(model, tmp_path / "ours", format="peft")
+    export_model(model, tmp_path / "cast", format="peft", dtype=torch.bfloat16)
+    want, got, cast = (
+        load_file(tmp_path / d / "adapter_model.safetensors") for d in ("peft", "ours", "cast")
+    )
+    assert {v.dtype for v in want.values()} == {torch.float32}
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    assert {v.dtype for v in cast.values()} == {torch.bfloat16}

@@ -45,3 +45,24 @@ def test_wrap_refuses_a_peft_model_with_modules_to_save():
         refuse_modules_to_save(peft.get_peft_model(_meta_llama(), config))
     plain = peft.LoraConfig(r=4, target_modules=["q_proj"])
     refuse_modules_to_save(peft.get_peft_model(_meta_llama(), plain))
+
+
+def test_wrap_refuses_lora_on_a_tied_output_head_by_name():
+    """LoRA on ``lm_head`` tied to the embedding crashed ``ctx.wrap`` of a
+    meta-built model (``KeyError: attribute 'weight' already exists``);
+    it is refused naming both modules. An untied head, or a tied model
+    without the head among the targets, passes."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_fsdp_backend.strategies.peft import refuse_tied_adapters
+
+    def lora(tied: bool, targets: list[str]):
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(tiny_config("llama", tied=tied))
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=targets))
+
+    message = r"peft adapter on 'base_model.model.lm_head': its base weight is tied to "
+    with pytest.raises(ValueError, match=message + r"'base_model.model.model.embed_tokens.weight'"):
+        refuse_tied_adapters(lora(True, ["q_proj", "lm_head"]))
+    refuse_tied_adapters(lora(False, ["q_proj", "lm_head"]))
+    refuse_tied_adapters(lora(True, ["q_proj"]))

@@ -55,6 +55,21 @@ def test_targets_are_the_frozen_linear_weights_but_the_head():
     assert "model.layers.0.self_attn.q_proj.weight" in names
 
 
+def test_a_lora_targeted_head_stays_dense():
+    """With ``lm_head`` among the LoRA targets the head is a peft layer: its
+    ``base_layer`` is still the head and is not quantised."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import tiny_config
+
+    base = AutoModelForCausalLM.from_config(tiny_config("llama_qlora"))
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    names = [t.name for t in nf4_targets(peft.get_peft_model(base, config))]
+    assert len(names) == 2 * 7 and not any("lm_head" in n for n in names)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in names
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_shard_is_to_nf4_bitwise_and_its_bytes_are_counted(dtype):
     from torchao.quantization import to_nf4
