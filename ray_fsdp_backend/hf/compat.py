@@ -7,6 +7,8 @@ between releases, so every such call goes through a function here, written to
 work across the range ``pyproject.toml`` declares (``transformers>=5.23``;
 ``.ci/run``'s lower-bound job runs the unit layer and the zoo on 5.23):
 
+- the checkpoint key layout of a family (``conversion_mapping``,
+  ``core_model_loading``), which the export writes back (``hf/transformers_moe.py``).
 - ``create_causal_mask`` / ``create_sliding_window_causal_mask``: 5.25 renamed
   the fourth parameter ``past_key_values`` to ``cache`` (the old keyword still
   accepted); 5.23 only knows ``past_key_values``. Passed by position here.
@@ -90,3 +92,45 @@ def eager_attention_forward(family: str):
     """The eager attention function of a transformers model family
     (``"gemma2"``, ``"gpt_oss"``, ...), the reference the cp kernels match."""
     return import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
+
+
+# -- checkpoint key layout (conversion_mapping, core_model_loading; 5.23 to 5.25) --
+
+
+def reverse_weight_conversions(model) -> tuple[list, list]:
+    """The reverse of ``model``'s load-time weight conversions, as
+    ``save_pretrained`` applies them, split into ``(converters, renamings)``:
+    transforms that convert tensors (a fused ``gate_up_proj`` -> per-expert
+    ``w1`` / ``w3``) and ones that only rename keys. Prefix changes are left
+    out, as ``revert_weight_conversion`` leaves them for a model not built by
+    ``from_pretrained``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter
+
+    forward = get_model_conversion_mapping(model, add_legacy=False) if model is not None else []
+    forward = [t for t in forward if not isinstance(t, PrefixChange)]
+    reverse = [t.reverse_transform() for t in forward[::-1]]
+    converters = [t for t in reverse if isinstance(t, WeightConverter)]
+    return converters, [t for t in reverse if not isinstance(t, WeightConverter)]
+
+
+def converted_target(key: str, converters: list) -> str | None:
+    """The checkpoint key a converted ``key`` feeds, or None if no converter matches."""
+    from transformers.core_model_loading import apply_converters
+
+    target, pattern = apply_converters(key, converters)
+    return target if pattern is not None else None
+
+
+def renamed_key(key: str, renamings: list) -> str:
+    """``key`` under the renamings (``apply_renamings``)."""
+    from transformers.core_model_loading import apply_renamings
+
+    return apply_renamings(key, renamings)
+
+
+def revert_weight_conversion(model, values: dict) -> dict:
+    """The checkpoint tensors of one converted group, from their whole model ``values``."""
+    from transformers.core_model_loading import revert_weight_conversion as revert
+
+    return dict(revert(model, values))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ray_fsdp_backend.hf import compat
+
 
 def router_class(model: nn.Module) -> type[nn.Module] | None:
     """The router module class of ``model``'s transformers family (the
@@ -45,36 +47,19 @@ class CheckpointLayout:
     every key."""
 
     def __init__(self, model: nn.Module):
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightConverter
-
         self._model = _pretrained(model)
-        forward = []
-        if self._model is not None:
-            forward = get_model_conversion_mapping(self._model, add_legacy=False)
-        # as revert_weight_conversion for a model not built by from_pretrained
-        forward = [t for t in forward if not isinstance(t, PrefixChange)]
-        reverse = [t.reverse_transform() for t in forward[::-1]]
-        self._converters = [t for t in reverse if isinstance(t, WeightConverter)]
-        self._renamings = [t for t in reverse if not isinstance(t, WeightConverter)]
+        self._converters, self._renamings = compat.reverse_weight_conversions(self._model)
 
     def group(self, key: str) -> str | None:
         """The checkpoint target a converted ``key`` feeds (keys of one group
         are converted together), or None for a key that is only renamed."""
-        from transformers.core_model_loading import apply_converters
-
-        target, pattern = apply_converters(key, self._converters)
-        return target if pattern is not None else None
+        return compat.converted_target(key, self._converters)
 
     def renamed(self, key: str) -> str:
         """The checkpoint name of a key that is not converted."""
-        from transformers.core_model_loading import apply_renamings
-
-        return apply_renamings(key, self._renamings)
+        return compat.renamed_key(key, self._renamings)
 
     def convert(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one group of converted keys, from their
         whole ``values``."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return dict(revert_weight_conversion(self._model, values))
+        return compat.revert_weight_conversion(self._model, values)
