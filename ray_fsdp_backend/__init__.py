@@ -23,6 +23,7 @@ _EXPORTS = {
     "ShardingStrategy": "ray_fsdp_backend.config",
     "TrainContext": "ray_fsdp_backend.context",
     "get_context": "ray_fsdp_backend.context",
+    "linear_cross_entropy": "ray_fsdp_backend.loss",
     "load_pretrained": "ray_fsdp_backend.hf",
     "PretrainedCheckpointError": "ray_fsdp_backend.hf",
     "DDPStrategy": "ray_fsdp_backend.strategies",
@@ -44,6 +45,7 @@ __all__ = [
     "TrainContext",
     "build_strategy",
     "get_context",
+    "linear_cross_entropy",
     "load_pretrained",
 ]
 
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.context import TrainContext, get_context
     from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
+    from ray_fsdp_backend.loss import linear_cross_entropy
     from ray_fsdp_backend.strategies import (
         DDPStrategy,
         DistributionStrategy,

@@ -30,6 +30,7 @@ import yaml
 from ray_fsdp_backend.backend import FSDPConfig
 from ray_fsdp_backend.config import unknown_key_message
 from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
+from ray_fsdp_backend.loss import DEFAULT_CHUNK_TOKENS
 from ray_fsdp_backend.trainer.model import ModelConfig
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
 
@@ -81,6 +82,10 @@ class TrainOptions:
     checkpoint_async: bool = False
     """Write checkpoints in the background: the saving step waits only for a
     copy of the state in host memory (``ctx.save_checkpoint(async_save=True)``)."""
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Tokens per chunk of the cross-entropy, which then never holds the whole
+    ``[tokens, vocab]`` logits (``rfb.linear_cross_entropy``; docs/training.md);
+    0: ``F.cross_entropy`` on the full fp32 logits."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +302,7 @@ def _names_key(message: str, key: str) -> bool:
 
 _POSITIVE_INTS = {"steps", "micro_batch_size", "grad_accum", "log_every"}
 _NON_NEGATIVE = {"warmup_steps", "checkpoint_every", "max_failures", "seed", "weight_decay"}
+_NON_NEGATIVE_INTS = {"loss_chunk_tokens"}
 _NON_NEGATIVE |= {"max_grad_norm", "min_lr_ratio"}
 _CHOICES = {
     "optimizer": OPTIMIZERS,
@@ -327,6 +333,8 @@ def _check_option(key: str, value: Any) -> None:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if key in _POSITIVE_INTS and not (is_number and isinstance(value, int) and value > 0):
         raise ValueError(f"{key}={value!r} must be a positive int")
+    if key in _NON_NEGATIVE_INTS and not (is_number and isinstance(value, int) and value >= 0):
+        raise ValueError(f"{key}={value!r} must be a non-negative int (0: full logits)")
     if key in _FLOATS and not is_number:
         raise ValueError(f"{key}={value!r} must be a number")
     if key in _NON_NEGATIVE and not (is_number and value >= 0):

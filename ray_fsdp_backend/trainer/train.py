@@ -35,7 +35,6 @@ from typing import Any, NamedTuple
 
 import ray.train
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -50,6 +49,7 @@ from ray_fsdp_backend.trainer.data import (
     ShardedBatches,
     load_corpus,
 )
+from ray_fsdp_backend.trainer.loss import MicroBatchLoss, micro_batch_loss, prepare_loss
 from ray_fsdp_backend.trainer.model import Transformer
 from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
@@ -89,6 +89,9 @@ class TrainRun:
     read only at logged steps), counted over the whole run across restarts."""
     skipped_logged: int = 0
     board: TensorBoardWriter | None = None
+    loss_head: Any = None
+    """The loss's output head (:func:`~ray_fsdp_backend.trainer.loss.prepare_loss`;
+    None: the full logits)."""
     router: Any = None
     """A mixture-of-experts model's :class:`RouterStats` (no hooks on a dense one)."""
     history: list[dict[str, float]] = field(default_factory=list)
@@ -113,7 +116,9 @@ def run_training(
     run = setup_run(ctx, spec, report=report, resume=resume)
     for step in range(run.start_step + 1, spec.train.steps + 1):
         seed_step(ctx, spec.train.seed, step)
-        result = train_step(ctx, run.model, run.optimizer, run.batches, spec, run.meter)
+        result = train_step(
+            ctx, run.model, run.optimizer, run.batches, spec, run.meter, run.loss_head
+        )
         run.skipped += result.skipped
         run.schedule.step()
         if is_logged(step, run.start_step, spec.train) or run.checkpoints.due(step):
@@ -175,6 +180,7 @@ def setup_run(
         skipped_logged=skipped,
         board=board,
         router=ctx.router_stats(model),
+        loss_head=prepare_loss(model, opts.loss_chunk_tokens),
     )
 
 
@@ -257,7 +263,9 @@ class StepResult(NamedTuple):
     over the micro-batches; logged, not added to the loss (docs/moe.md)."""
 
 
-def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None) -> StepResult:
+def train_step(
+    ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None, head=...
+) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches, with no host
     synchronisation: a step whose gradient norm is not finite is skipped on
     the device (:func:`~ray_fsdp_backend.step_guard.step_if_finite`).
@@ -267,8 +275,12 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     micro-batch's token sum over ``ctx.global_token_count`` of the whole
     step's labels, so the gradient is that of the mean over every valid
     token of the step whatever the layout, and an elastic resize that
-    changes ``grad_accum`` does not change the weighting."""
+    changes ``grad_accum`` does not change the weighting. ``head``: the
+    loss's output head (:func:`~ray_fsdp_backend.trainer.loss.prepare_loss`;
+    resolved from the model when not given)."""
     accum = spec.train.grad_accum
+    if head is ...:
+        head = prepare_loss(model, spec.train.loss_chunk_tokens)
     micro_batches = [
         ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device)) for _ in range(accum)
     ]
@@ -276,18 +288,12 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     total = torch.zeros((), device=ctx.device)
     aux_total = None
     for micro, batch in enumerate(micro_batches):
-        inputs, targets = batch["input_ids"], batch["targets"]
         if meter is not None and ctx.tp_rank == 0:  # a tp group trains one copy of the rows
-            meter.count_tokens(inputs.numel())
+            meter.count_tokens(batch["input_ids"].numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.sequence_region(), ctx.loss_parallel():
-            output = model(inputs, position_ids=model_positions(ctx, spec, batch))
-            logits = getattr(output, "logits", output)  # a transformers model's output
-            aux = getattr(output, "aux_loss", None)  # an MoE's, with output_router_logits
-            token_sum = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
-            )
+            token_sum, aux = batch_loss(ctx, model, batch, spec, head)
             loss = token_sum / count
             loss.backward()
         total += local_value(loss.detach())
@@ -299,6 +305,25 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     skipped = step_if_finite(optimizer, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(total, grad_norm, skipped, aux_total)
+
+
+def batch_loss(ctx, model: nn.Module, batch: dict, spec: RunSpec, head=...) -> MicroBatchLoss:
+    """The one loss of the trainer, for training and evaluation: the token
+    sum of one micro-batch as ``ctx.shard_sequence`` returned it (shifted
+    ``targets``, -100 none), computed chunk by chunk without the whole logits
+    (``train.loss_chunk_tokens``; 0: the full logits), and an MoE's aux loss.
+    Divide by ``ctx.global_token_count`` of the step's targets for the mean."""
+    chunk = spec.train.loss_chunk_tokens
+    if head is ...:
+        head = prepare_loss(model, chunk)
+    return micro_batch_loss(
+        model,
+        batch["input_ids"],
+        batch["targets"],
+        position_ids=model_positions(ctx, spec, batch),
+        head=head,
+        chunk_tokens=chunk,
+    )
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:
