@@ -223,15 +223,17 @@ class HeadInput:
 @contextlib.contextmanager
 def capture_head_input(head: nn.Module) -> Iterator[HeadInput]:
     """While open, every call of the output ``head`` keeps its input in the
-    yielded :class:`HeadInput` and computes on none of its rows (the input
-    becomes its empty ``[..., 0, dim]`` slice): the model's forward runs
-    whole but makes no logits. The hook runs after the head's own pre-hooks
-    (a tp head's input is then the ``Replicate`` DTensor its weight takes)."""
+    yielded :class:`HeadInput` and computes the first position of each row
+    only (its input becomes the ``[..., :1, :]`` slice; an empty one fails
+    DTensor's sharding propagation under tp, torch 2.13): the model's forward
+    runs whole but makes ``batch x vocab`` logits, not ``tokens x vocab``.
+    The hook runs after the head's own pre-hooks (a tp head's input is then
+    the ``Replicate`` DTensor its weight takes)."""
     captured = HeadInput()
 
     def hook(_module, args):
         captured.hidden = args[0]
-        return (args[0][..., :0, :], *args[1:])
+        return (args[0][..., :1, :], *args[1:])
 
     handle = head.register_forward_pre_hook(hook)
     try:

@@ -6,8 +6,9 @@ its ``targets`` (already shifted: target ``i`` is the token after input
 ``i``; -100 takes no loss) and a mixture-of-experts model's auxiliary loss.
 
 With ``train.loss_chunk_tokens`` > 0 (the default) the logits are never
-made whole: the output head's input is captured and the head computes on no
-rows (:func:`~ray_fsdp_backend.loss.capture_head_input`), then
+made whole: the output head's input is captured and the head computes the
+first position of each row only
+(:func:`~ray_fsdp_backend.loss.capture_head_input`), then
 :func:`~ray_fsdp_backend.loss.linear_cross_entropy` takes the hidden states
 and the head's weight (tied or not; a tp head's vocabulary slice) chunk by
 chunk. The model's forward is otherwise the one it has: the example
