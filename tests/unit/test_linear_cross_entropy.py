@@ -10,6 +10,8 @@ quarter of the full-logits path's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,3 +154,44 @@ def test_memory_never_holds_the_whole_logits():
         _peak_rise(fused_sizes),
         _peak_rise(full_sizes),
     )
+
+
+def test_estimate_bounds_the_measured_peak():
+    """``ray-fsdp plan``'s loss estimate against the peak the profiler sees
+    (fp32): each estimate within 1% below and 2x above the measured peak,
+    chunked and full logits."""
+    from ray_fsdp_backend.memory import estimate_loss_memory
+
+    tokens, dim, vocab, chunk = 1024, 32, 4096, 256
+    hidden = torch.randn(tokens, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+
+    def full():
+        F.cross_entropy((hidden @ weight.T).float(), labels, reduction="sum").backward()
+
+    def fused():
+        rfb.linear_cross_entropy(hidden, weight, labels, chunk_size=chunk).backward()
+
+    for fn, size in ((fused, chunk), (full, 0)):
+        hidden.grad = weight.grad = None
+        measured = _peak_rise(_allocations(fn))
+        estimate = estimate_loss_memory(tokens, vocab, dim, chunk=size)
+        assert 0.99 * measured <= estimate <= 2 * measured, (fn.__name__, measured, estimate)
+
+
+def test_plan_counts_the_loss_of_a_pretrained_model(capsys, tmp_path):
+    """The plan's loss lines for a transformers model (its head's shape):
+    the chunked peak in use and what the full logits would take."""
+    from ray_fsdp_backend.cli import main
+    from ray_fsdp_backend.trainer.tiny_pretrained import VOCAB, save_tiny_pretrained
+
+    path = save_tiny_pretrained("llama", tmp_path / "tiny")
+    config = Path(__file__).resolve().parents[2] / "examples" / "finetune_hf.yaml"
+    sets = [f"model.pretrained={path}", "train.loss_chunk_tokens=64"]
+    argv = ["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]
+    assert main([*argv, *(a for s in sets for a in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert f"loss per rank, 256 tokens x {VOCAB} words (estimate):" in out, out
+    assert "chunked, 64 tokens a chunk (in use)" in out
+    assert "full logits (train.loss_chunk_tokens: 0)" in out
