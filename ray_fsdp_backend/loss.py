@@ -33,11 +33,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-DEFAULT_CHUNK_TOKENS = 2048
-"""Tokens per chunk when ``chunk_size`` is None: ``benchmarks.fused_loss``
-measured step time flat from 1k to 8k tokens a chunk at vocabulary 128k-262k
-(docs/benchmarks.md), and a 2k chunk of a 152k vocabulary is 1.2 GB of fp32
-logits."""
+DEFAULT_CHUNK_TOKENS = 1024
+"""Tokens per chunk when ``chunk_size`` is None (``train.loss_chunk_tokens``).
+``benchmarks.fused_loss`` on CPU (151,936 words, 1k-2k tokens) measured the
+peak falling with the chunk (669 / 1,262 / 2,449 MiB at 512 / 1,024 / 2,048
+tokens) and the time the same within the noise of a shared machine; 1,024
+keeps one chunk of a 262k vocabulary near 2 GiB of fp32 logits and
+gradient, and makes matmuls of 1,024 rows, large enough for a GPU
+(docs/benchmarks.md)."""
 
 REDUCTIONS = ("sum", "mean")
 

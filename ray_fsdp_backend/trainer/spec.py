@@ -84,7 +84,7 @@ class TrainOptions:
     copy of the state in host memory (``ctx.save_checkpoint(async_save=True)``)."""
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Tokens per chunk of the cross-entropy, which then never holds the whole
-    ``[tokens, vocab]`` logits (``rfb.linear_cross_entropy``; docs/training.md);
+    ``[tokens, vocab]`` logits (``rfb.linear_cross_entropy``; docs/parallelism.md);
     0: ``F.cross_entropy`` on the full fp32 logits."""
 
 
