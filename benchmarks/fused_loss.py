@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from ray_fsdp_backend.loss import linear_cross_entropy
 
 
-def _peak_rise(fn) -> int:
-    """Largest rise of allocated host bytes while ``fn`` runs."""
+def host_allocations(fn) -> list[int]:
+    """Every host allocation (+bytes) and free (-bytes) ``fn`` makes, in
+    order (the profiler's allocation records)."""
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
@@ -47,8 +48,13 @@ def _peak_rise(fn) -> int:
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
+    return [size for _, size in sorted(found)]
+
+
+def peak_rise(sizes: list[int]) -> int:
+    """Largest rise of allocated bytes over a sequence of allocations and frees."""
     total = peak = 0
-    for _, size in sorted(found):
+    for size in sizes:
         total += size
         peak = max(peak, total)
     return peak
@@ -82,8 +88,8 @@ def measure(tokens: int, vocab: int, dim: int, chunk: int, repeats: int) -> dict
             fn()
             times[name].append(time.perf_counter() - start)
     return {
-        "fused_peak": _peak_rise(fused),
-        "full_peak": _peak_rise(full),
+        "fused_peak": peak_rise(host_allocations(fused)),
+        "full_peak": peak_rise(host_allocations(full)),
         "fused_s": statistics.median(times["fused"]),
         "full_s": statistics.median(times["full"]),
     }

@@ -8,7 +8,10 @@ embeddings, tp 2 with ``loss_parallel`` (each rank its vocabulary slice)
 and cp 2 on packed rows (documents restart their positions; -100 targets at
 their ends). Each rank also trains a plain copy of the same initial weights
 on the whole global batch with ``F.cross_entropy`` on the full logits; the
-step losses (averaged over ranks) and the final weights must match to 1e-5.
+step losses (averaged over ranks) must match to 1e-5 and the final weights
+to 1e-4 (measured: up to 4e-5, AdamW's normalisation turning rounding of
+the sharded reductions into that much; a wrong head gradient moves weights
+by the learning rate, 1e-2 a step).
 """
 
 from __future__ import annotations
@@ -126,4 +129,4 @@ def test_chunked_loss_trains_like_one_process_full_logits(results, layout):
     got_state, want_state = results[layout]["state"]
     assert got_state.keys() == want_state.keys()
     for key, value in want_state.items():
-        torch.testing.assert_close(got_state[key], value, rtol=1e-5, atol=1e-5, msg=key)
+        torch.testing.assert_close(got_state[key], value, rtol=1e-4, atol=1e-4, msg=key)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import ray_fsdp_backend as rfb
+from benchmarks.fused_loss import host_allocations, peak_rise
 
 TOKENS, DIM, VOCAB = 45, 16, 96
 
@@ -104,33 +105,6 @@ def test_refusals_name_the_argument():
         rfb.linear_cross_entropy(hidden, weight, labels[:, 1:])
 
 
-def _allocations(fn) -> list[int]:
-    """Every allocation (+bytes) and free (-bytes) ``fn`` makes on the host, in order."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        fn()
-    found: list[tuple[int, int]] = []
-
-    def walk(node):
-        if node.tag == torch._C._profiler._EventType.Allocation:
-            found.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    return [size for _, size in sorted(found)]
-
-
-def _peak_rise(sizes: list[int]) -> int:
-    total = peak = 0
-    for size in sizes:
-        total += size
-        peak = max(peak, total)
-    return peak
-
-
 def test_memory_never_holds_the_whole_logits():
     """Forward and backward of 2048 tokens x 8192 words: the full-logits path
     allocates the 64 MiB fp32 logits (and their gradient); the fused one no
@@ -147,12 +121,12 @@ def test_memory_never_holds_the_whole_logits():
     def fused():
         rfb.linear_cross_entropy(hidden, weight, labels, chunk_size=chunk).backward()
 
-    full_sizes, fused_sizes = _allocations(full), _allocations(fused)
+    full_sizes, fused_sizes = host_allocations(full), host_allocations(fused)
     assert max(full_sizes) >= whole  # the watch sees the logits where they exist
     assert max(fused_sizes) < whole // 4, max(fused_sizes)
-    assert _peak_rise(fused_sizes) < _peak_rise(full_sizes) / 4, (
-        _peak_rise(fused_sizes),
-        _peak_rise(full_sizes),
+    assert peak_rise(fused_sizes) < peak_rise(full_sizes) / 4, (
+        peak_rise(fused_sizes),
+        peak_rise(full_sizes),
     )
 
 
@@ -175,7 +149,7 @@ def test_estimate_bounds_the_measured_peak():
 
     for fn, size in ((fused, chunk), (full, 0)):
         hidden.grad = weight.grad = None
-        measured = _peak_rise(_allocations(fn))
+        measured = peak_rise(host_allocations(fn))
         estimate = estimate_loss_memory(tokens, vocab, dim, chunk=size)
         assert 0.99 * measured <= estimate <= 2 * measured, (fn.__name__, measured, estimate)
 
