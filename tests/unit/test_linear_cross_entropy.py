@@ -169,3 +169,13 @@ def test_plan_counts_the_loss_of_a_pretrained_model(capsys, tmp_path):
     assert f"loss per rank, 256 tokens x {VOCAB} words (estimate):" in out, out
     assert "chunked, 64 tokens a chunk (in use)" in out
     assert "full logits (train.loss_chunk_tokens: 0)" in out
+
+
+def test_loss_chunk_tokens_is_validated_by_name():
+    from ray_fsdp_backend.trainer.spec import load_spec
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
+    assert load_spec(config, []).train.loss_chunk_tokens == 1024
+    assert load_spec(config, ["train.loss_chunk_tokens=0"]).train.loss_chunk_tokens == 0
+    with pytest.raises(ValueError, match=r"loss_chunk_tokens=-1 must be a non-negative int"):
+        load_spec(config, ["train.loss_chunk_tokens=-1"])
