@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from ray_fsdp_backend.loss import capture_head_input, linear_cross_entropy
 
@@ -59,7 +60,10 @@ class MicroBatchLoss(NamedTuple):
 def resolve_loss_head(model: nn.Module) -> LossHead | None:
     """The head the fused loss takes: the model's ``get_output_embeddings()``
     when it is a bias-free ``nn.Linear``, with the logit soft-cap and scale of
-    a transformers config; None (full logits) otherwise."""
+    a transformers config; None (full logits) otherwise. A DDP wrapper is
+    looked through (its ``module``)."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None:
         return None
