@@ -23,6 +23,7 @@ _EXPORTS = {
     "ShardingStrategy": "ray_fsdp_backend.config",
     "TrainContext": "ray_fsdp_backend.context",
     "get_context": "ray_fsdp_backend.context",
+    "linear_cross_entropy": "ray_fsdp_backend.loss",
     "load_pretrained": "ray_fsdp_backend.hf",
     "PretrainedCheckpointError": "ray_fsdp_backend.hf",
     "DDPStrategy": "ray_fsdp_backend.strategies",
@@ -50,6 +51,7 @@ __all__ = [
     "build_strategy",
     "check_sft_source",
     "get_context",
+    "linear_cross_entropy",
     "load_pretrained",
     "sft_dataset",
     "sft_stats",
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.context import TrainContext, get_context
     from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
+    from ray_fsdp_backend.loss import linear_cross_entropy
     from ray_fsdp_backend.sft import SFTDataError, check_sft_source, sft_dataset, sft_stats
     from ray_fsdp_backend.strategies import (
         DDPStrategy,

@@ -304,6 +304,7 @@ def estimate_activations(
     checkpointing: bool = False,
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
+    logits: bool = True,
 ) -> int:
     """Bytes one rank saves for backward in one micro-batch (an estimate).
 
@@ -320,7 +321,9 @@ def estimate_activations(
     Activation checkpointing keeps only each block's input (``2 s b h``,
     split over tp with sequence parallelism).
     Logits (``s b V``, plus their fp32 copy for the loss) come on top,
-    divided by tp only with loss parallelism (else gathered on every rank).
+    divided by tp only with loss parallelism (else gathered on every rank);
+    ``logits=False`` leaves them out (the chunked loss keeps none:
+    :func:`estimate_loss_memory`).
     """
     s, b, h = shape.seq_len // cp, shape.micro_batch_size, shape.dim
     scale = value_bytes / 2
@@ -330,8 +333,37 @@ def estimate_activations(
     else:
         scores = 5 * shape.n_heads * shape.seq_len / h if attention_scores else 0
         per_layer = s * b * h * ((34 + scores) / tp if sp else 10 + (24 + scores) / tp)
-    logits = s * b * shape.vocab_size * (value_bytes + FP32_BYTES) / (tp if loss_parallel else 1)
-    return int(shape.n_layers * per_layer * scale + logits)
+    logits_bytes = 0
+    if logits:
+        logits_bytes = s * b * shape.vocab_size * (value_bytes + FP32_BYTES)
+        logits_bytes /= tp if loss_parallel else 1
+    return int(shape.n_layers * per_layer * scale + logits_bytes)
+
+
+def estimate_loss_memory(
+    tokens: int,
+    vocab: int,
+    dim: int,
+    *,
+    chunk: int,
+    tp: int = 1,
+    value_bytes: int = 4,
+    loss_parallel: bool = False,
+) -> int:
+    """Peak bytes one rank's cross-entropy adds for ``tokens`` tokens (an estimate).
+
+    ``chunk`` > 0 (:func:`~ray_fsdp_backend.loss.linear_cross_entropy`): one
+    chunk's logits in the compute dtype, fp32 and their softmax-gradient
+    (``chunk x V x (value_bytes + 8)``), the fp32 weight-gradient sum
+    (``V x dim x 4``) and a log-sum-exp per token; under tp each rank holds
+    its vocabulary slice (``V / tp``). ``chunk`` 0, the full logits:
+    ``tokens x V`` in the compute dtype, their fp32 copy (log-softmax) and
+    its gradient (``value_bytes + 8``), split over tp only with loss
+    parallelism."""
+    if chunk > 0:
+        words = vocab // tp
+        return min(chunk, tokens) * words * (value_bytes + 8) + words * dim * 4 + tokens * 4
+    return tokens * vocab * (value_bytes + 8) // (tp if loss_parallel else 1)
 
 
 @dataclass(frozen=True)

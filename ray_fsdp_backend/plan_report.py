@@ -19,6 +19,7 @@ from ray_fsdp_backend.expert_plan import MoEModel, MoEPlanInputs, format_moe_pla
 from ray_fsdp_backend.memory import (
     ModelSize,
     estimate_activations,
+    estimate_loss_memory,
     estimate_memory,
     estimate_tp_block_traffic,
     format_bytes,
@@ -141,6 +142,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
     else:
         lines += format_moe_memory(spec, moe, strategy, layout, micro)
     lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
+    lines += format_loss_memory(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
     lines += format_tp_traffic(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
     lines += format_expert_groups(layout)
     if cfg.use_dmuon:  # owners span FSDP's dp_shard x cp; TP blocks are gathered over tp
@@ -351,6 +353,7 @@ def format_activations(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
         loss_parallel=cfg.loss_parallel,
     )
     kwargs["checkpointing"] = cfg.use_gradient_checkpointing
+    kwargs["logits"] = spec.train.loss_chunk_tokens == 0  # else the loss line counts them
     with_scores = estimate_activations(shape, **kwargs)
     flash = estimate_activations(shape, attention_scores=False, **kwargs)
     split = f", sequence split over cp={cp}" if cp > 1 else ""
@@ -360,6 +363,26 @@ def format_activations(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
         f"  {format_bytes(with_scores):>10}  kernels that keep attention scores (CPU)",
         f"  {format_bytes(flash):>10}  flash / memory-efficient attention (GPU)",
     ]
+
+
+def format_loss_memory(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list[str]:
+    """The cross-entropy's peak per rank for one micro-batch (logits chunk,
+    softmax, gradient; :func:`~ray_fsdp_backend.memory.estimate_loss_memory`),
+    chunked as configured and with the full logits, for the example decoder
+    and pretrained models alike (their head's shape)."""
+    model, cfg, chunk = spec.model, spec.distributed, spec.train.loss_chunk_tokens
+    tokens = micro_batch * model.seq_len // cp
+    value_bytes = 2 if cfg.use_mixed_precision else 4
+    kwargs = dict(tp=tp, value_bytes=value_bytes, loss_parallel=cfg.loss_parallel)
+    vocab, dim = model.vocab_size, model.dim
+    full = estimate_loss_memory(tokens, vocab, dim, chunk=0, **kwargs)
+    lines = [f"loss per rank, {tokens:,} tokens x {vocab:,} words (estimate):"]
+    if chunk > 0:
+        fused = estimate_loss_memory(tokens, vocab, dim, chunk=chunk, **kwargs)
+        lines.append(f"  {format_bytes(fused):>10}  chunked, {chunk:,} tokens a chunk (in use)")
+    in_use = "" if chunk > 0 else ", in use"
+    lines.append(f"  {format_bytes(full):>10}  full logits (train.loss_chunk_tokens: 0{in_use})")
+    return lines
 
 
 def format_tp_traffic(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list[str]:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
+from ray_fsdp_backend.loss import capture_head_input, linear_cross_entropy
 from ray_fsdp_backend.memory import ActivationShape
 
 
@@ -342,9 +343,17 @@ class Transformer(nn.Module):
             nn.init.normal_(block.feed_forward.w2.weight, std=residual_std)
 
     def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        loss_chunk_tokens: int | None = None,
     ) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]``. ``position_ids`` (``[batch or 1, seq]``)
+        """Logits ``[batch, seq, vocab]``, or with ``targets`` (shifted, -100
+        none) their token-sum cross-entropy computed chunk by chunk without
+        the whole logits (:func:`~ray_fsdp_backend.loss.linear_cross_entropy`,
+        ``loss_chunk_tokens`` a chunk), inside the forward so that FSDP's
+        gathered head weight serves it. ``position_ids`` (``[batch or 1, seq]``)
         give each token's position in its document: packed rows restart them
         per document (attention never crosses documents), and a context-parallel
         shard passes its tokens' true positions."""
@@ -356,9 +365,19 @@ class Transformer(nn.Module):
         rope = rotary_angles(self.rope_cos, self.rope_sin, tokens.shape[1], position_ids)
         for block in self.layers:
             x = block(x, rope, position_ids)
-        return self.output(self.norm(x))
+        if targets is None:
+            return self.output(self.norm(x))
+        with capture_head_input(self.output) as captured:
+            self.output(self.norm(x))  # the head's own hooks (tp) shape its input
+        return linear_cross_entropy(
+            captured.hidden, self.output.weight, targets, chunk_size=loss_chunk_tokens
+        )
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """The output head (transformers' name for it)."""
+        return self.output
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy, computed in fp32."""
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        """Mean next-token cross-entropy over the valid targets (-100: none),
+        in fp32, without the whole logits."""
+        return self(tokens, targets=targets) / (targets != -100).sum()

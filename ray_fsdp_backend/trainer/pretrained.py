@@ -100,6 +100,16 @@ class PretrainedModelConfig:
     def num_params(self) -> int:
         return _sizes(self.pretrained, self.lora)["num_params"]
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output head (the loss's vocabulary)."""
+        return _sizes(self.pretrained, self.lora)["vocab_size"]
+
+    @property
+    def dim(self) -> int:
+        """Width of the output head's input."""
+        return _sizes(self.pretrained, self.lora)["dim"]
+
     def block_params(self) -> int:
         return _sizes(self.pretrained, self.lora)["block_params"]
 
@@ -191,7 +201,10 @@ def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
         p.numel() for b in blocks for p in b.parameters() if p.ndim >= 2 and p.requires_grad
     )
     total = _count(model)
+    vocab, dim = model.get_output_embeddings().weight.shape
     return dict(
+        vocab_size=vocab,
+        dim=dim,
         n_layers=len(blocks),
         num_params=total,
         block_params=block,

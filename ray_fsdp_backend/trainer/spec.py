@@ -28,6 +28,7 @@ from typing import Any
 from ray_fsdp_backend.backend import FSDPConfig
 from ray_fsdp_backend.config import parse_yaml, unknown_key_message
 from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
+from ray_fsdp_backend.loss import DEFAULT_CHUNK_TOKENS
 from ray_fsdp_backend.trainer.model import ModelConfig
 from ray_fsdp_backend.trainer.preflight import storage_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
@@ -86,6 +87,10 @@ class TrainOptions:
     eval_every: int = 0
     """Steps between evaluations of the held-out set (``data.eval_path`` or
     ``data.eval_fraction``); 0: only after the last step. Needs an eval set."""
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Tokens per chunk of the cross-entropy, which then never holds the whole
+    ``[tokens, vocab]`` logits (``rfb.linear_cross_entropy``; docs/parallelism.md);
+    0: ``F.cross_entropy`` on the full fp32 logits."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +347,7 @@ def _names_key(message: str, key: str) -> bool:
 _POSITIVE_INTS = {"steps", "micro_batch_size", "grad_accum", "log_every"}
 _NON_NEGATIVE = {"warmup_steps", "checkpoint_every", "max_failures", "seed", "weight_decay"}
 _NON_NEGATIVE |= {"eval_every"}
+_NON_NEGATIVE_INTS = {"loss_chunk_tokens"}
 _NON_NEGATIVE |= {"max_grad_norm", "min_lr_ratio"}
 _CHOICES = {
     "optimizer": OPTIMIZERS,
@@ -375,6 +381,8 @@ def _check_option(key: str, value: Any) -> None:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if key in _POSITIVE_INTS and not (is_number and isinstance(value, int) and value > 0):
         raise ValueError(f"{key}={value!r} must be a positive int")
+    if key in _NON_NEGATIVE_INTS and not (is_number and isinstance(value, int) and value >= 0):
+        raise ValueError(f"{key}={value!r} must be a non-negative int (0: full logits)")
     if key in _FLOATS and not is_number:
         raise ValueError(f"{key}={value!r} must be a number")
     if key in _NON_NEGATIVE and not (is_number and value >= 0):

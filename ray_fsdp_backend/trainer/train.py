@@ -35,7 +35,6 @@ from typing import Any, NamedTuple
 
 import ray.train
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -53,6 +52,7 @@ from ray_fsdp_backend.trainer.data import (
     load_corpus,
 )
 from ray_fsdp_backend.trainer.evaluation import evaluate
+from ray_fsdp_backend.trainer.loss import MicroBatchLoss, micro_batch_loss, prepare_loss
 from ray_fsdp_backend.trainer.model import Transformer
 from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
@@ -101,6 +101,9 @@ class TrainRun:
     read only at logged steps), counted over the whole run across restarts."""
     skipped_logged: int = 0
     board: TensorBoardWriter | None = None
+    loss_head: Any = None
+    """The loss's output head (:func:`~ray_fsdp_backend.trainer.loss.prepare_loss`;
+    None: the full logits)."""
     router: Any = None
     """A mixture-of-experts model's :class:`RouterStats` (no hooks on a dense one)."""
     held_out: Any = None
@@ -127,12 +130,14 @@ def run_training(
     run = setup_run(ctx, spec, report=report, resume=resume)
     for step in range(run.start_step + 1, spec.train.steps + 1):
         seed_step(ctx, spec.train.seed, step)
-        result = train_step(ctx, run.model, run.optimizer, run.batches, spec, run.meter)
+        result = train_step(
+            ctx, run.model, run.optimizer, run.batches, spec, run.meter, run.loss_head
+        )
         run.skipped += result.skipped
         run.schedule.step()
         eval_loss = None
         if run.held_out is not None and is_eval_step(step, spec.train):
-            eval_loss = held_out_loss(ctx, run.model, spec, run.held_out)
+            eval_loss = held_out_loss(ctx, run.model, spec, run.held_out, run.loss_head)
         logged = is_logged(step, run.start_step, spec.train) or eval_loss is not None
         if logged or run.checkpoints.due(step):
             log_step(ctx, spec, run, step, result, eval_loss)
@@ -194,6 +199,7 @@ def setup_run(
         board=board,
         router=ctx.router_stats(model),
         held_out=ray.train.get_dataset_shard(EVAL_DATASET) if spec.data.has_eval else None,
+        loss_head=prepare_loss(model, opts.loss_chunk_tokens),
     )
 
 
@@ -209,14 +215,14 @@ def is_eval_step(step: int, opts: TrainOptions) -> bool:
     return step == opts.steps or (opts.eval_every > 0 and step % opts.eval_every == 0)
 
 
-def held_out_loss(ctx, model: nn.Module, spec: RunSpec, dataset) -> float:
+def held_out_loss(ctx, model: nn.Module, spec: RunSpec, dataset, head=...) -> float:
     """The token-mean loss over the whole held-out set, each dp rank its
-    share, through :func:`token_loss_sum` (the training step's loss)."""
+    share, through :func:`batch_loss` (the training step's loss)."""
 
     def sums(rows):
         batch = ctx.shard_sequence(as_batch(rows, ctx.device))
         with ctx.sequence_region(), ctx.loss_parallel():
-            token_sum, _ = token_loss_sum(ctx, model, batch, spec)
+            token_sum, _ = batch_loss(ctx, model, batch, spec, head)
         return local_value(token_sum), count_valid_tokens(batch["targets"])
 
     micro = spec.train.micro_batch_size
@@ -301,7 +307,9 @@ class StepResult(NamedTuple):
     over the micro-batches; logged, not added to the loss (docs/moe.md)."""
 
 
-def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None) -> StepResult:
+def train_step(
+    ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None, head=...
+) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches, with no host
     synchronisation: a step whose gradient norm is not finite is skipped on
     the device (:func:`~ray_fsdp_backend.step_guard.step_if_finite`).
@@ -311,8 +319,12 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     micro-batch's token sum over ``ctx.global_token_count`` of the whole
     step's labels, so the gradient is that of the mean over every valid
     token of the step whatever the layout, and an elastic resize that
-    changes ``grad_accum`` does not change the weighting."""
+    changes ``grad_accum`` does not change the weighting. ``head``: the
+    loss's output head (:func:`~ray_fsdp_backend.trainer.loss.prepare_loss`;
+    resolved from the model when not given)."""
     accum = spec.train.grad_accum
+    if head is ...:
+        head = prepare_loss(model, spec.train.loss_chunk_tokens)
     micro_batches = [
         ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device)) for _ in range(accum)
     ]
@@ -325,7 +337,7 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.sequence_region(), ctx.loss_parallel():
-            token_sum, aux = token_loss_sum(ctx, model, batch, spec)
+            token_sum, aux = batch_loss(ctx, model, batch, spec, head)
             loss = token_sum / count
             loss.backward()
         total += local_value(loss.detach())
@@ -339,20 +351,23 @@ def train_step(ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=N
     return StepResult(total, grad_norm, skipped, aux_total)
 
 
-def token_loss_sum(
-    ctx, model: nn.Module, batch: dict, spec: RunSpec
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The loss of one micro-batch: the forward and the cross-entropy summed
-    over its valid targets (-100 carries none), with an MoE model's
-    auxiliary loss (else None). The one loss function: the training step
-    divides it by ``ctx.global_token_count``, evaluation by the held-out
-    set's token count."""
-    output = model(batch["input_ids"], position_ids=model_positions(ctx, spec, batch))
-    logits = getattr(output, "logits", output)  # a transformers model's output
-    aux = getattr(output, "aux_loss", None)  # an MoE's, with output_router_logits
-    targets = batch["targets"]
-    token_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-    return token_sum, aux
+def batch_loss(ctx, model: nn.Module, batch: dict, spec: RunSpec, head=...) -> MicroBatchLoss:
+    """The one loss of the trainer, for training and evaluation: the token
+    sum of one micro-batch as ``ctx.shard_sequence`` returned it (shifted
+    ``targets``, -100 none), computed chunk by chunk without the whole logits
+    (``train.loss_chunk_tokens``; 0: the full logits), and an MoE's aux loss.
+    Divide by ``ctx.global_token_count`` of the step's targets for the mean."""
+    chunk = spec.train.loss_chunk_tokens
+    if head is ...:
+        head = prepare_loss(model, chunk)
+    return micro_batch_loss(
+        model,
+        batch["input_ids"],
+        batch["targets"],
+        position_ids=model_positions(ctx, spec, batch),
+        head=head,
+        chunk_tokens=chunk,
+    )
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,11 @@ tp 2. The plain tp 2 run's warnings and log lines must be only those
 docs/monitoring.md lists as expected (the quick start e2e's check, without
 a Ray fit). Measured: every layout within 1e-6 of one process except compile,
 whose step-1 grad norm is 0.82 against 1.14 until the TP x compile fix.
+
+The loss is the chunked one (``train.loss_chunk_tokens``, issue 46); the
+one-process spawn also trains with the full-logits loss (quick start and a
+tiny transformers Llama) and the chunked losses must equal it to 1e-5, and
+the Llama at dp 2 (FSDP2, head sharded) the one-process full-logits run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ray_fsdp_backend.trainer.train import run_training
 from tests.dist.harness import run_ranks
 
 CPU_TINY = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
+FINETUNE_HF = CPU_TINY.with_name("finetune_hf.yaml")
 MICRO = 4  # rows per micro-batch in one process
 OVERRIDES = [
     "model.dim=32",
@@ -52,12 +58,14 @@ LAYOUTS = {  # settings, and overrides of the spec
 }
 
 
-def _train(rank, world, extra: dict, overrides: list[str] = ()) -> dict[str, list[float]]:
+def _train(
+    rank, world, extra: dict, overrides: list[str] = (), base=(CPU_TINY, OVERRIDES)
+) -> dict[str, list[float]]:
     ctx = setup_process_context(
         FSDPSettings(use_fsdp=True, use_mixed_precision=False, **extra), torch.device("cpu")
     )
     micro = MICRO // ctx.dp_size  # the same global rows on every layout
-    spec = load_spec(CPU_TINY, [*OVERRIDES, f"train.micro_batch_size={micro}", *overrides])
+    spec = load_spec(base[0], [*base[1], f"train.micro_batch_size={micro}", *overrides])
     history = run_training(ctx, spec, report=lambda metrics: None, resume=False)
     return {key: [m[key] for m in history] for key in ("loss", "grad_norm", "tokens_seen")}
 
@@ -105,24 +113,48 @@ def _console_of(fn):
     return result, lines + [f"{r.levelname} {r.name}: {r.getMessage()}" for r in records]
 
 
-def _all_layouts(rank, world):
+def _hf(path: str) -> tuple:
+    """The tiny Llama fine-tune (untied head) as ``_train``'s base spec."""
+    overrides = [f"model.pretrained={path}", "model.export=null", "model.seq_len=32"]
+    return FINETUNE_HF, [*overrides, "train.steps=2", "train.log_every=1", "train.warmup_steps=1"]
+
+
+def _all_layouts(rank, world, hf_path):
     results = {
         name: _train(rank, world, *layout) for name, layout in LAYOUTS.items() if name != "tp2"
     }
+    results["hf dp2"] = _train(rank, world, {}, base=_hf(hf_path))
     results["tp2"], console = _console_of(lambda: _train(rank, world, *LAYOUTS["tp2"]))
     return {**results, "peft tp2": _peft_under_tp(), "tp2 console": console}
 
 
-def _one_process(rank, world):
+def _one_process(rank, world, hf_path):
     """The reference, and the same global batch as 4 micro-batches of 2 rows
-    (what an elastic resize's new ``grad_accum`` gives)."""
+    (what an elastic resize's new ``grad_accum`` gives); the quick start and
+    the tiny Llama with the full-logits loss (``train.loss_chunk_tokens=0``),
+    and the Llama with the chunked loss at 5 tokens a chunk (uneven)."""
     regrouped = ["train.micro_batch_size=2", "train.grad_accum=4"]
-    return _train(rank, world, {}), _train(rank, world, {}, regrouped)
+    full = ["train.loss_chunk_tokens=0"]
+    return (
+        _train(rank, world, {}),
+        _train(rank, world, {}, regrouped),
+        _train(rank, world, {}, full),
+        _train(rank, world, {}, base=_hf(hf_path)),
+        _train(rank, world, {}, [*full], base=_hf(hf_path)),
+        _train(rank, world, {}, ["train.loss_chunk_tokens=5"], base=_hf(hf_path)),
+    )
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    return run_ranks(_one_process, 1)
+def hf_path(tmp_path_factory) -> str:
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+
+    return save_tiny_pretrained("llama", tmp_path_factory.mktemp("llama") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def one_process(hf_path):
+    return run_ranks(_one_process, 1, hf_path)
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +166,30 @@ def test_regrouped_accumulation_trains_the_same_numbers(one_process):
     _assert_matches(one_process[1], one_process[0])
 
 
+def test_chunked_loss_equals_the_full_logits_loss(one_process):
+    """The trainer's chunked loss against its full-logits loss on the same
+    runs: the quick start (tied head) and the tiny Llama (untied), 1e-5."""
+    reference, _, full, hf, hf_full, hf_uneven = one_process
+    _assert_matches(reference, full, rel=1e-5)
+    _assert_matches(hf, hf_full, rel=1e-5)
+    _assert_matches(hf_uneven, hf_full, rel=1e-5)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_all_layouts, 2)
+def results(hf_path):
+    return run_ranks(_all_layouts, 2, hf_path)
 
 
-def _assert_matches(got, want):
+def _assert_matches(got, want, rel=1e-4):
     steps = len(got["loss"])
     for key in ("loss", "grad_norm", "tokens_seen"):
-        assert got[key] == pytest.approx(want[key][:steps], rel=1e-4), key
+        assert got[key] == pytest.approx(want[key][:steps], rel=rel), key
+
+
+def test_hf_model_under_fsdp_equals_one_process_full_logits(results, one_process):
+    """The tiny Llama at dp 2 (FSDP2 shards its untied head) with the chunked
+    loss against one process with the full logits."""
+    _assert_matches(results["hf dp2"], one_process[4], rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2 loss_parallel", "cp2", "dp2"])
