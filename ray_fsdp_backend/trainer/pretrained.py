@@ -143,7 +143,7 @@ class PretrainedModelConfig:
         from ray_fsdp_backend.memory import ActivationShape
 
         sizes = _sizes(self.pretrained, self.lora)
-        if "dim" not in sizes:
+        if "n_heads" not in sizes:
             return None
         return ActivationShape(
             n_layers=sizes["n_layers"],
@@ -217,13 +217,12 @@ def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
 
 
 def _decoder_shape(config) -> dict[str, int]:
-    """Width, heads and vocabulary of a transformers config (the activation
-    estimate's inputs); empty when one is missing."""
-    names = dict(dim="hidden_size", n_heads="num_attention_heads", vocab_size="vocab_size")
+    """Attention heads of a transformers config (the activation estimate's
+    input beside the head's width and vocabulary); empty when missing."""
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    values = {k: getattr(config, v, None) for k, v in names.items()}
-    return values if all(isinstance(v, int) for v in values.values()) else {}
+    heads = getattr(config, "num_attention_heads", None)
+    return {"n_heads": heads} if isinstance(heads, int) else {}
 
 
 def _layer_lists(model: nn.Module) -> list[nn.Module]:
