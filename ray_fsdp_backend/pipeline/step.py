@@ -12,7 +12,6 @@ the dp ranks of each stage.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,9 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_fsdp_backend.pipeline.layout import resolve_microbatches
-
-if TYPE_CHECKING:
-    from ray_fsdp_backend.context import TrainContext
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -38,7 +34,7 @@ def token_sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
 class _Pipeline:
     """A stage and its schedule, built on the first step and kept on the model."""
 
-    def __init__(self, ctx: TrainContext, model: nn.Module, micro: int) -> None:
+    def __init__(self, ctx, model: nn.Module, micro: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.micro = micro
@@ -57,7 +53,7 @@ class _Pipeline:
 
 
 def pipeline_step(
-    ctx: TrainContext, model: nn.Module, batch: dict[str, torch.Tensor], loss_fn: LossFn | None
+    ctx, model: nn.Module, batch: dict[str, torch.Tensor], loss_fn: LossFn | None
 ) -> torch.Tensor:
     """Run forward and backward of ``batch`` (``input_ids`` and ``labels``
     aligned as transformers takes them, ``[rows, seq]``: this dp rank's rows
