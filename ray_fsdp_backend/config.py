@@ -167,7 +167,8 @@ class FSDPSettings:
     sequence_parallel: bool | None = None
     """Under tensor parallelism, also split norms and dropout along the
     sequence (activations between blocks divided by tp). None: on when
-    ``tensor_parallel_size > 1``."""
+    ``tensor_parallel_size > 1`` (and no pipeline: a stage's boundary
+    activations are whole sequences)."""
 
     context_parallel_size: int = 1
     """Ranks that split each sequence (context parallelism, mesh axis ``cp``,
@@ -277,7 +278,7 @@ class FSDPSettings:
     def sequence_parallel_enabled(self) -> bool:
         """``sequence_parallel`` resolved: its default follows tensor parallelism."""
         if self.sequence_parallel is None:
-            return self.tensor_parallel_size > 1
+            return self.tensor_parallel_size > 1 and self.pipeline_parallel_size == 1
         return self.sequence_parallel
 
     def resolve_cp_backend(self, n_heads: int, device_type: str) -> str:
@@ -578,6 +579,11 @@ def _check_pipeline_parallel(cfg: FSDPSettings) -> None:
                 f"pipeline_parallel_size={pp} with {key}={getattr(cfg, key)} is not "
                 "supported yet: use one of the two"
             )
+    if cfg.sequence_parallel:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} with sequence_parallel=true is not supported: the "
+            "stages exchange whole sequences; leave it null"
+        )
     if cfg.use_dmuon:
         raise ValueError(
             f"pipeline_parallel_size={pp} with use_dmuon=true is not supported yet: use one "

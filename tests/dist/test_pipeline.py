@@ -1,9 +1,10 @@
 """Pipeline parallelism on real gloo ranks against one process (issue 47).
 
-One spawned job on 4 ranks, mesh ``pp 2 x dp_shard 2``: a tiny transformers
-Llama and the built-in decoder, each with 3 layers (stages of 2 and 1
-layers), under the 1F1B and GPipe schedules. Every rank holds only its
-stage's parameters, under their original names; 3 AdamW steps of
+One spawned job on 4 ranks, mesh ``pp 2 x dp_shard 2``: a tiny
+transformers Llama and the built-in decoder, each with 3 layers (stages of 2
+and 1 layers), under the 1F1B and GPipe schedules; and the decoder at
+``pp 2 x tp 2``. Every rank holds only its stage's parameters, under their
+original names; 3 AdamW steps of
 ``ctx.pipeline_step`` plus ``ctx.clip_grad_norm`` (max_norm 0.5, so it
 clips) give one process's loss and pre-clip norm (1e-5) and parameters
 (1e-4 absolute: AdamW's normalised updates) on the whole
@@ -34,6 +35,7 @@ CASES = {
     "llama gpipe": ("llama", "gpipe", 4),
     "decoder 1f1b": ("decoder", "1f1b", 4),
     "decoder gpipe": ("decoder", "gpipe", 2),
+    "decoder 1f1b tp2": ("decoder", "1f1b", 2, {"tensor_parallel_size": 2}),
 }
 
 
@@ -109,7 +111,7 @@ def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
     return names
 
 
-def _run_case(family: str, schedule: str, micro: int) -> dict:
+def _run_case(family: str, schedule: str, micro: int, extra: dict | None = None) -> dict:
     full = _model(family)
     ref_losses, ref_norms, ref_params = _reference(copy.deepcopy(full))
     settings = FSDPSettings(
@@ -118,6 +120,7 @@ def _run_case(family: str, schedule: str, micro: int) -> dict:
         pipeline_parallel_size=2,
         pipeline_schedule=schedule,
         pipeline_microbatches=micro,
+        **(extra or {}),
     )
     ctx = setup_process_context(settings, torch.device("cpu"))
     model = ctx.wrap(copy.deepcopy(full))

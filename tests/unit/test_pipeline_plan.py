@@ -38,11 +38,25 @@ def _settings(**kw) -> FSDPSettings:
             "expert_parallel_size=2",
         ),
         (dict(use_fsdp=True, pipeline_parallel_size=2, use_dmuon=True), "use_dmuon"),
+        (
+            dict(
+                use_fsdp=True,
+                pipeline_parallel_size=2,
+                tensor_parallel_size=2,
+                sequence_parallel=True,
+            ),
+            "sequence_parallel=true",
+        ),
     ],
 )
 def test_config_refusals_name_the_key(kw, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         FSDPSettings(**kw)
+
+
+def test_sequence_parallel_defaults_off_under_pp():
+    assert not _settings(tensor_parallel_size=2).sequence_parallel_enabled
+    assert FSDPSettings(use_fsdp=True, tensor_parallel_size=2).sequence_parallel_enabled
 
 
 def test_gpipe_takes_fewer_microbatches_than_stages():
