@@ -124,3 +124,23 @@ def resolve_microbatches(configured: int | None, stages: int, rows: int | None =
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """The idle share of a GPipe or 1F1B step: ``(P - 1) / (M + P - 1)``."""
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def format_pipeline_plan(
+    stages: int, n_layers: int, schedule: str, microbatches: int | None, groups
+) -> list[str]:
+    """``ray-fsdp plan``'s pipeline lines: the stages' layers, the pp groups
+    (one rank of each stage) and the schedule's bubble."""
+    micro = resolve_microbatches(microbatches, stages)
+    parts = []
+    for plan in plan_stages(n_layers, stages):
+        ends = ["embedding"] * plan.first + ["norm, head"] * plan.last
+        extra = f" + {', '.join(ends)}" if ends else ""
+        parts.append(f"{plan.stage}: layers {plan.layers[0]}-{plan.layers[-1]}{extra}")
+    lines = [
+        f"pipeline: {stages} stages ({'; '.join(parts)}); {schedule}, {micro} micro-batches: "
+        f"bubble {bubble_fraction(stages, micro):.1%} of each step; each stage holds about "
+        f"1/{stages} of the model state shown below",
+        f"pp groups ({len(groups)}; activations to the next stage, gradients back):",
+    ]
+    return lines + [f"  {list(g)}" for g in groups]

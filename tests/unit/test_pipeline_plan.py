@@ -155,3 +155,12 @@ def test_tied_embeddings_are_refused_by_name():
 def test_unsupported_family_is_refused_by_name():
     with pytest.raises(ValueError, match="model_type"):
         split_for_stage(torch.nn.Linear(2, 2), 0, 2)
+
+
+def test_plan_lines_name_stages_layers_and_bubble():
+    from ray_fsdp_backend.pipeline.layout import format_pipeline_plan
+
+    lines = format_pipeline_plan(2, 5, "1f1b", 8, ((0, 2), (1, 3)))
+    assert "0: layers 0-2 + embedding; 1: layers 3-4 + norm, head" in lines[0]
+    assert "8 micro-batches: bubble 11.1%" in lines[0]
+    assert lines[2:] == ["  [0, 2]", "  [1, 3]"]
