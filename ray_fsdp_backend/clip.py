@@ -199,6 +199,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     eps: float = 1e-6,
     check_replicated: bool = False,
+    across: dist.ProcessGroup | None = None,
 ) -> ClipStats:
     """Scale all gradients in place so that their global ``norm_type`` norm
     (2, 1, ``inf`` or any positive p, as torch's keyword) is at most
@@ -224,6 +225,10 @@ def clip_grad_norm_(
         raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
     entries, reduced = _norm_entries(unique_grads(parameters))
     power, collectives = _global_norm_power(entries, norm_type, check_replicated=check_replicated)
+    if across is not None:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(power, op=op, group=across)
+        collectives += 1
     total = power if math.isinf(norm_type) else power.pow(1.0 / norm_type)
     if max_norm is None or max_norm == float("inf"):
         coef = torch.ones((), dtype=torch.float32, device=total.device)

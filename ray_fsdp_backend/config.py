@@ -170,7 +170,8 @@ class FSDPSettings:
     sequence_parallel: bool | None = None
     """Under tensor parallelism, also split norms and dropout along the
     sequence (activations between blocks divided by tp). None: on when
-    ``tensor_parallel_size > 1``."""
+    ``tensor_parallel_size > 1`` (and no pipeline: a stage's boundary
+    activations are whole sequences)."""
 
     context_parallel_size: int = 1
     """Ranks that split each sequence (context parallelism, mesh axis ``cp``,
@@ -233,6 +234,26 @@ class FSDPSettings:
     created, e.g. ``{"NCCL_SOCKET_IFNAME": "eth0"}``. Keys must start with
     ``NCCL_`` or ``TORCH_NCCL_``."""
 
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (mesh axis ``pp``, the outermost: consecutive node
+    groups, one stage each). Each stage holds a contiguous run of layers
+    (the embedding on the first, final norm and head on the last) and is
+    FSDP2-sharded over the data-parallel ranks of its own node group;
+    ``ctx.pipeline_step`` runs the schedule. Must divide the world size;
+    needs ``use_fsdp``; not with context or expert parallelism or DMuon. See
+    docs/parallelism.md."""
+
+    pipeline_schedule: str = "1f1b"
+    """torch.distributed.pipelining's schedule: ``1f1b`` (one forward, one
+    backward: at most P micro-batches' activations in flight) or ``gpipe``
+    (all forwards, then all backwards: M in flight). Both idle
+    ``(P - 1) / (M + P - 1)`` of a step (the bubble)."""
+
+    pipeline_microbatches: int | None = None
+    """Micro-batches each step's batch is split into (its rows must divide by
+    it). None: the stage count. ``1f1b`` needs at least
+    ``pipeline_parallel_size``; more shrinks the bubble."""
+
     def __post_init__(self) -> None:
         self.fsdp_sharding_strategy = _resolve_strategy(self.fsdp_sharding_strategy).value
         self.fsdp_block_classes = tuple(
@@ -260,7 +281,7 @@ class FSDPSettings:
     def sequence_parallel_enabled(self) -> bool:
         """``sequence_parallel`` resolved: its default follows tensor parallelism."""
         if self.sequence_parallel is None:
-            return self.tensor_parallel_size > 1
+            return self.tensor_parallel_size > 1 and self.pipeline_parallel_size == 1
         return self.sequence_parallel
 
     def resolve_cp_backend(self, n_heads: int, device_type: str) -> str:
@@ -367,6 +388,9 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "compile": (bool, str),
     "peak_tflops": (int, float, type(None)),
     "nccl_env": (dict,),
+    "pipeline_parallel_size": (int,),
+    "pipeline_schedule": (str,),
+    "pipeline_microbatches": (int, type(None)),
 }
 
 
@@ -456,6 +480,7 @@ def _check_values(cfg: FSDPSettings) -> None:
     _check_tensor_parallel(cfg)
     _check_context_parallel(cfg)
     _check_expert_parallel(cfg)
+    _check_pipeline_parallel(cfg)
     for key, value in cfg.nccl_env.items():
         if not (isinstance(key, str) and key.startswith(("NCCL_", "TORCH_NCCL_"))):
             raise ValueError(f"nccl_env key {key!r} must start with NCCL_ or TORCH_NCCL_")
@@ -528,6 +553,47 @@ def _check_expert_parallel(cfg: FSDPSettings) -> None:
             f"expert_parallel_size={ep} with tensor_parallel_size="
             f"{cfg.tensor_parallel_size} is not supported: the tp ranks share a batch and "
             "would dispatch every token tp times; use one of the two"
+        )
+
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+"""``pipeline_schedule`` values (one stage per rank)."""
+
+
+def _check_pipeline_parallel(cfg: FSDPSettings) -> None:
+    pp, micro = cfg.pipeline_parallel_size, cfg.pipeline_microbatches
+    _check_one_of("pipeline_schedule", cfg.pipeline_schedule, PIPELINE_SCHEDULES)
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size={pp!r} must be a positive int")
+    if micro is not None and micro < 1:
+        raise ValueError(f"pipeline_microbatches={micro!r} must be a positive int or null")
+    if pp == 1:
+        return
+    if not cfg.use_fsdp:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} needs use_fsdp=true: each stage is FSDP2-sharded "
+            "over its data-parallel ranks; DDP with pipeline parallelism is not supported"
+        )
+    for key in ("context_parallel_size", "expert_parallel_size"):
+        if getattr(cfg, key) > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} with {key}={getattr(cfg, key)} is not "
+                "supported yet: use one of the two"
+            )
+    if cfg.sequence_parallel:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} with sequence_parallel=true is not supported: the "
+            "stages exchange whole sequences; leave it null"
+        )
+    if cfg.use_dmuon:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} with use_dmuon=true is not supported yet: use one "
+            "of the two"
+        )
+    if cfg.pipeline_schedule == "1f1b" and micro is not None and micro < pp:
+        raise ValueError(
+            f"pipeline_microbatches={micro} < pipeline_parallel_size={pp}: pipeline_schedule="
+            "1f1b needs at least one micro-batch per stage"
         )
 
 

@@ -19,7 +19,7 @@ from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard
 from ray_fsdp_backend.seeding import seed_step
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.peft import peft_configs, refuse_tied_adapters
-from ray_fsdp_backend.topology import CP_AXIS, EP_AXIS, TP_AXIS, MeshLayout, Topology
+from ray_fsdp_backend.topology import CP_AXIS, EP_AXIS, PP_AXIS, TP_AXIS, MeshLayout, Topology
 
 if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint.ray_run import RunCheckpoints
@@ -102,11 +102,44 @@ class TrainContext:
             return 0
         return self.layout.expert_coordinates(self.world_rank)[EP_AXIS]
 
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages (``pipeline_parallel_size``; 1 without PP)."""
+        return self.layout.axis_size(PP_AXIS)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (``mesh["pp"]``; 0 without PP)."""
+        return self.layout.coordinates(self.world_rank).get(PP_AXIS, 0)
+
+    def pipeline_step(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_fn=None
+    ) -> torch.Tensor:
+        """Forward and backward of this step's ``batch`` (``input_ids``,
+        ``labels`` unshifted) through the pipeline stage ``model`` (as
+        :meth:`wrap` returned it), ``pipeline_schedule`` over
+        ``pipeline_microbatches``; returns the step's loss on every rank
+        (``loss_fn(logits, shifted_labels)``, a token sum, default
+        cross-entropy, over :meth:`global_token_count`). Then clip and step as
+        usual. See :func:`ray_fsdp_backend.pipeline.step.pipeline_step`.
+
+        Raises:
+            ValueError: without ``pipeline_parallel_size > 1``, or rows not
+                divisible by the micro-batch count.
+        """
+        from ray_fsdp_backend.pipeline.step import pipeline_step
+
+        if self.pp_size == 1:
+            raise ValueError("ctx.pipeline_step needs pipeline_parallel_size > 1")
+        return pipeline_step(self, model, batch, loss_fn)
+
     def wrap(self, model: nn.Module, *, tp_plan: dict | None = None) -> nn.Module:
         """Shard (FSDP2/HSDP) or replicate (DDP) ``model`` as configured; with
         ``tensor_parallel_size > 1`` first split it over the tp group by
         ``tp_plan`` (``{module pattern: "colwise" | "rowwise" | ...}``) or the
-        model's own plan; with ``context_parallel_size > 1`` its attention
+        model's own plan; with ``pipeline_parallel_size > 1`` it is first cut
+        to this rank's stage (``ray_fsdp_backend.pipeline.split``: original
+        parameter names kept); with ``context_parallel_size > 1`` its attention
         becomes Ulysses (or ring) over the cp group and a transformers model's
         cache is turned off. See docs/parallelism.md. A ``peft`` model (frozen
         base, trainable adapters) wraps the same way; built on the meta device,
@@ -115,6 +148,10 @@ class TrainContext:
         tied ``lm_head``), is refused (ValueError)."""
         refuse_modules_to_save(model)
         refuse_tied_adapters(model)
+        if self.pp_size > 1:
+            from ray_fsdp_backend.pipeline.split import split_for_stage
+
+            model = split_for_stage(model, self.pp_rank, self.pp_size)
         return self.strategy.wrap(model, tp_plan=tp_plan)
 
     def loss_parallel(self):

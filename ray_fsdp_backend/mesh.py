@@ -31,6 +31,7 @@ from ray_fsdp_backend.topology import (
     EP_AXIS,
     EXPERT_SHARD_AXIS,
     EXPERT_SOURCE_AXES,
+    PP_AXIS,
     REPLICATE_AXIS,
     SHARD_AXIS,
     TP_AXIS,
@@ -108,15 +109,24 @@ def resolve_layout(config: FSDPSettings, topology: Topology) -> MeshLayout:
     """The mesh layout for ``config`` on ``topology`` (pure; raises ValueError
     for an impossible layout). Logs when ``hsdp_uneven_nodes`` chose it."""
     strategy = config.sharding_strategy if config.use_fsdp else None
-    layout = compute_mesh_layout(
-        strategy,
-        topology,
-        config.fsdp_hsdp_replicate_size,
-        config.hsdp_uneven_nodes,
-        shard_across_nodes=config.fsdp_hsdp_shard_across_nodes,
-        inner_axes=model_parallel_axes(config),
-        expert_parallel_size=config.expert_parallel_size,
-    )
+
+    def stage_layout(ranks: Topology) -> MeshLayout:
+        return compute_mesh_layout(
+            strategy,
+            ranks,
+            config.fsdp_hsdp_replicate_size,
+            config.hsdp_uneven_nodes,
+            shard_across_nodes=config.fsdp_hsdp_shard_across_nodes,
+            inner_axes=model_parallel_axes(config),
+            expert_parallel_size=config.expert_parallel_size,
+        )
+
+    if config.pipeline_parallel_size > 1:
+        from ray_fsdp_backend.pipeline.layout import pipeline_mesh_layout
+
+        layout = pipeline_mesh_layout(config.pipeline_parallel_size, topology, stage_layout)
+    else:
+        layout = stage_layout(topology)
     uneven = strategy is not None and strategy.is_hybrid and not topology.is_uniform
     if uneven and config.fsdp_hsdp_replicate_size is None:
         _logger.warning(
@@ -158,7 +168,7 @@ def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     ``dp_shard`` of ``mesh``, with ``cp`` flattened into the shard axis
     (``dp_shard_cp``) when the mesh has one. 1-D: FSDP, 2-D: HSDP. A mesh
     without model-parallel axes (or None: FSDP2's default) is returned as is."""
-    if mesh is None or not set(_dims(mesh)) & {CP_AXIS, TP_AXIS}:
+    if mesh is None or not set(_dims(mesh)) & {CP_AXIS, TP_AXIS, PP_AXIS}:
         return mesh
     if CP_AXIS not in _dims(mesh):
         return submesh(mesh, DATA_PARALLEL_AXES)
@@ -180,6 +190,12 @@ def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
     if len(axes) == 1:
         return mesh[axes[0]]
     return mesh[axes]._flatten("_".join(axes))
+
+
+def pipeline_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    """The process group of ``mesh["pp"]`` (this rank's stage peers), or None
+    without pipeline parallelism."""
+    return mesh.get_group(PP_AXIS) if mesh is not None and PP_AXIS in _dims(mesh) else None
 
 
 def tensor_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:

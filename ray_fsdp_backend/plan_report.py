@@ -135,6 +135,16 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
     batch, micro = format_batch(spec, dp_size, world)
     lines.append(f"batch:    {batch}")
     lines += format_groups(layout)
+    if cfg.pipeline_parallel_size > 1:
+        from ray_fsdp_backend.pipeline.layout import format_pipeline_plan
+
+        lines += format_pipeline_plan(
+            cfg.pipeline_parallel_size,
+            spec.model.n_layers,
+            cfg.pipeline_schedule,
+            cfg.pipeline_microbatches,
+            layout.groups("pp"),
+        )
     # FSDP2 shards over dp_shard x cp (the cp ranks hold different tokens).
     shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
     if moe is None:

@@ -35,6 +35,8 @@ SHARD_AXIS = "dp_shard"
 CP_AXIS = "cp"
 TP_AXIS = "tp"
 EP_AXIS = "ep"
+PP_AXIS = "pp"
+"""Pipeline stages: the outermost axis (one stage per node group)."""
 EXPERT_SHARD_AXIS = "efsdp"
 """The ranks holding the same experts (one per ep group), over which FSDP2
 shards them: ``dp_shard x cp / ep`` ranks."""

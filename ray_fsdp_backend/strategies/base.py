@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.clip import ClipStats, clip_grad_norm_
 from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.mesh import pipeline_group
 
 
 class DistributionStrategy(ABC):
@@ -93,6 +94,10 @@ class DistributionStrategy(ABC):
             params += [p for group in optimizer.param_groups for p in group["params"]]
         # The first call also checks that plain gradients are equal on all ranks.
         self._last_clip = clip_grad_norm_(
-            params, max_norm, norm_type=norm_type, check_replicated=self._last_clip is None
+            params,
+            max_norm,
+            norm_type=norm_type,
+            check_replicated=self._last_clip is None,
+            across=pipeline_group(self.mesh),
         )
         return self._last_clip.total_norm

@@ -97,7 +97,11 @@ def resolve_fsdp_policy(config: FSDPSettings, device: torch.device) -> FSDPPolic
     return FSDPPolicy(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
-        reshard_after_forward=config.sharding_strategy.reshard_after_forward,
+        # Under pipeline parallelism a stage runs several micro-batches' forwards
+        # before their backwards: resharding after each would all-gather again
+        # per micro-batch (torchtitan keeps it off too).
+        reshard_after_forward=config.sharding_strategy.reshard_after_forward
+        and config.pipeline_parallel_size == 1,
     )
 
 

@@ -447,6 +447,12 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         train, built.get("scaling"), group
     )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
+    if dist is not None and dist.pipeline_parallel_size > 1:
+        errors.append(
+            f"distributed: pipeline_parallel_size={dist.pipeline_parallel_size}: ray-fsdp train "
+            "does not run pipeline stages yet; a train_fn of your own runs them with "
+            "ctx.pipeline_step (docs/parallelism.md, 'Pipeline parallelism')"
+        )
     errors += tensor_parallel_errors(dist, model)
     errors += qlora_errors(dist, model)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:

@@ -1,0 +1,25 @@
+"""Pipeline parallelism: stages on the outermost mesh axis ``pp``, FSDP2 (and
+TP) inside each stage, torch.distributed.pipelining's schedules.
+
+- :mod:`.layout`: pure decisions (the mesh with ``pp`` outermost, which
+  layers each stage holds, micro-batch count, bubble fraction);
+- :mod:`.split`: cut a decoder down to one stage's modules, keeping the
+  original parameter names;
+- :mod:`.step`: ``ctx.pipeline_step``, one optimizer step's schedule.
+"""
+
+from ray_fsdp_backend.pipeline.layout import (
+    StagePlan,
+    bubble_fraction,
+    pipeline_mesh_layout,
+    plan_stages,
+    resolve_microbatches,
+)
+
+__all__ = [
+    "StagePlan",
+    "bubble_fraction",
+    "pipeline_mesh_layout",
+    "plan_stages",
+    "resolve_microbatches",
+]

@@ -1,0 +1,146 @@
+"""Cut a decoder down to one pipeline stage's modules, on any device (meta
+included), keeping every parameter's ORIGINAL name (as torchtitan's
+``pipeline_llm`` does): the layers a stage holds stay ``layers.<i>`` with
+their index in the whole model, and the modules it does not hold are removed
+(set to None), so DCP checkpoints and HF exports of the stages reshard by name.
+
+Supported: the built-in decoder (:class:`~ray_fsdp_backend.trainer.model.Transformer`)
+and transformers' Llama-style causal LMs (``model.embed_tokens``,
+``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``) of the
+families in :data:`HF_FAMILIES`. Tied input and output embeddings span the
+first and last stage and are refused.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
+
+HF_FAMILIES = ("llama", "qwen3")
+"""transformers ``model_type`` values whose decoder forward is embed, rotary,
+causal mask, layers, norm, head (no embedding scale, no sliding window)."""
+
+
+class StageLayers(nn.ModuleList):
+    """The layers one stage holds, registered under their index in the whole
+    model (``layers.5`` stays ``layers.5``); iterates in order, and an int
+    index is a position in this stage."""
+
+    def __init__(self, layers: dict[int, nn.Module] | None = None) -> None:
+        super().__init__()
+        for index, layer in (layers or {}).items():
+            self.add_module(str(index), layer)
+
+    def __getitem__(self, idx):
+        values = list(self._modules.values())
+        return values[idx] if isinstance(idx, int) else nn.ModuleList(values[idx])
+
+
+def split_for_stage(
+    model: nn.Module, stage: int, stages: int, split: list[int] | None = None
+) -> nn.Module:
+    """``model`` cut in place to stage ``stage`` of ``stages`` (layers by
+    :func:`~ray_fsdp_backend.pipeline.layout.plan_stages`; ``split``: layer
+    counts per stage), its ``forward`` replaced by the stage's: token ids in
+    on the first stage, hidden states between stages, logits out of the last.
+
+    Raises:
+        ValueError: a model that is neither the built-in decoder nor a
+            supported transformers family, tied embeddings, or more stages
+            than layers.
+    """
+    owner, parts = _decoder_parts(model)
+    embed, layers_name, norm, head = parts
+    _refuse_tied(model, getattr(owner, embed), _head(model, owner, head))
+    layers = getattr(owner, layers_name)
+    plan = plan_stages(len(layers), stages, split)[stage]
+    setattr(owner, layers_name, StageLayers({i: layers[i] for i in plan.layers}))
+    if not plan.first:
+        setattr(owner, embed, None)
+    if not plan.last:
+        setattr(owner, norm, None)
+        _drop_head(model, owner, head)
+    forward = _builtin_forward if owner is model else _hf_forward
+    model.forward = types.MethodType(forward, model)
+    model.pipeline_plan = plan
+    return model
+
+
+def _decoder_parts(model: nn.Module) -> tuple[nn.Module, tuple[str, str, str, str]]:
+    """The module holding the layers, and the names of embedding, layers,
+    final norm and head."""
+    from ray_fsdp_backend.trainer.model import Transformer
+
+    if isinstance(model, Transformer):
+        return model, ("tok_embeddings", "layers", "norm", "output")
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    inner = getattr(model, "model", None)
+    if family in HF_FAMILIES and hasattr(model, "lm_head") and hasattr(inner, "layers"):
+        return inner, ("embed_tokens", "layers", "norm", "lm_head")
+    raise ValueError(
+        f"pipeline_parallel_size > 1 splits the built-in decoder or a transformers causal LM "
+        f"of model_type {', '.join(HF_FAMILIES)}; got {type(model).__name__} "
+        f"(model_type={family!r})"
+    )
+
+
+def _head(model: nn.Module, owner: nn.Module, name: str) -> nn.Module:
+    return getattr(owner if owner is model else model, name)
+
+
+def _drop_head(model: nn.Module, owner: nn.Module, name: str) -> None:
+    setattr(owner if owner is model else model, name, None)
+
+
+def _refuse_tied(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
+    if embed.weight is head.weight:
+        raise ValueError(
+            f"{type(model).__name__} ties its input and output embeddings "
+            "(tie_embeddings / tie_word_embeddings): under pipeline_parallel_size > 1 they sit "
+            "on the first and last stage; untie them to train with pipeline parallelism"
+        )
+
+
+def _builtin_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A built-in decoder stage: ids (first stage) or hidden states in."""
+    from ray_fsdp_backend.trainer.model import rotary_angles
+
+    if self.tok_embeddings is not None:
+        x = self.tok_embeddings(x)
+    rope = rotary_angles(self.rope_cos, self.rope_sin, x.shape[1], None)
+    for block in self.layers:
+        x = block(x, rope, None)
+    if self.output is not None:
+        x = self.output(self.norm(x))
+    return x
+
+
+def _hf_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A transformers decoder stage, as its ``model.forward`` without a cache."""
+    from transformers.masking_utils import create_causal_mask
+
+    inner = self.model
+    if inner.embed_tokens is not None:
+        x = inner.embed_tokens(x)
+    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    mask = create_causal_mask(
+        config=self.config,
+        inputs_embeds=x,
+        attention_mask=None,
+        cache=None,
+        position_ids=positions,
+    )
+    rope = inner.rotary_emb(x, position_ids=positions)
+    for layer in inner.layers:
+        x = layer(x, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+    if self.lm_head is not None:
+        x = self.lm_head(inner.norm(x))
+    return x
+
+
+__all__ = ["HF_FAMILIES", "StageLayers", "StagePlan", "split_for_stage"]

@@ -1,0 +1,179 @@
+"""Pipeline parallelism's pure parts (issue 47): config refusals, the mesh
+with ``pp`` outermost, the stage plan, the split's names and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.pipeline import bubble_fraction, plan_stages, resolve_microbatches
+from ray_fsdp_backend.pipeline.split import split_for_stage
+from ray_fsdp_backend.topology import compute_topology_from_env, topology_from_node_counts
+from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+
+
+def _settings(**kw) -> FSDPSettings:
+    return FSDPSettings(use_fsdp=True, pipeline_parallel_size=2, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(use_fsdp=False, pipeline_parallel_size=2), "needs use_fsdp"),
+        (dict(use_fsdp=True, pipeline_parallel_size=0), "pipeline_parallel_size=0"),
+        (dict(use_fsdp=True, pipeline_schedule="zbv"), "pipeline_schedule='zbv'"),
+        (dict(use_fsdp=True, pipeline_microbatches=0), "pipeline_microbatches=0"),
+        (
+            dict(use_fsdp=True, pipeline_parallel_size=4, pipeline_microbatches=2),
+            "pipeline_microbatches=2 < pipeline_parallel_size=4",
+        ),
+        (
+            dict(use_fsdp=True, pipeline_parallel_size=2, context_parallel_size=2),
+            "context_parallel_size=2",
+        ),
+        (
+            dict(use_fsdp=True, pipeline_parallel_size=2, expert_parallel_size=2),
+            "expert_parallel_size=2",
+        ),
+        (dict(use_fsdp=True, pipeline_parallel_size=2, use_dmuon=True), "use_dmuon"),
+        (
+            dict(
+                use_fsdp=True,
+                pipeline_parallel_size=2,
+                tensor_parallel_size=2,
+                sequence_parallel=True,
+            ),
+            "sequence_parallel=true",
+        ),
+    ],
+)
+def test_config_refusals_name_the_key(kw, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        FSDPSettings(**kw)
+
+
+def test_sequence_parallel_defaults_off_under_pp():
+    assert not _settings(tensor_parallel_size=2).sequence_parallel_enabled
+    assert FSDPSettings(use_fsdp=True, tensor_parallel_size=2).sequence_parallel_enabled
+
+
+def test_gpipe_takes_fewer_microbatches_than_stages():
+    cfg = _settings(pipeline_schedule="gpipe", pipeline_microbatches=1)
+    assert FSDPSettings.from_dict(cfg.to_dict()) == cfg
+
+
+def test_pp_is_the_outermost_axis_one_stage_per_node_group():
+    layout = resolve_layout(_settings(), compute_topology_from_env(8, 2))
+    assert layout.axis_names == ("pp", "dp_shard") and layout.shape == (2, 4)
+    assert layout.groups("pp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert layout.groups("dp_shard") == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_stages_hold_hsdp_and_tp_inside():
+    cfg = _settings(fsdp_sharding_strategy="hybrid_shard", tensor_parallel_size=2)
+    layout = resolve_layout(cfg, compute_topology_from_env(16, 4))
+    assert layout.axis_names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert layout.shape == (2, 2, 2, 2)
+    # Stage 0 is nodes 0-1 (ranks 0-7), its shard groups one node each.
+    assert layout.groups("pp")[0] == (0, 8)
+    assert layout.groups("dp_shard")[0] == (0, 2)
+    assert layout.groups("tp")[0] == (0, 1)
+
+
+def test_world_not_divisible_by_stages_is_refused():
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 must divide the world size 6"):
+        cfg = FSDPSettings(use_fsdp=True, pipeline_parallel_size=4)
+        resolve_layout(cfg, compute_topology_from_env(6, 3))
+
+
+def test_unequal_stages_are_refused():
+    with pytest.raises(ValueError, match="same layout"):
+        resolve_layout(
+            _settings(fsdp_sharding_strategy="hybrid_shard"), topology_from_node_counts([2, 2, 4])
+        )
+
+
+def test_even_split_earlier_stages_take_the_remainder():
+    plans = plan_stages(7, 3)
+    assert [p.layers for p in plans] == [(0, 1, 2), (3, 4), (5, 6)]
+    assert plans[0].first and plans[2].last and not plans[1].first and not plans[1].last
+    assert [p.layers for p in plan_stages(4, 2, [1, 3])] == [(0,), (1, 2, 3)]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [((2, 3), "exceeds the model's 2 layers"), ((4, 2, [4, 0]), "at least one layer")],
+)
+def test_bad_splits_are_refused(args, words):
+    with pytest.raises(ValueError, match=words):
+        plan_stages(*args)
+
+
+def test_microbatches_and_bubble():
+    assert resolve_microbatches(None, 4) == 4
+    assert resolve_microbatches(8, 4, rows=16) == 8
+    with pytest.raises(ValueError, match="12 rows"):
+        resolve_microbatches(8, 4, rows=12)
+    assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
+
+
+def _decoder(tied=False) -> Transformer:
+    cfg = ModelConfig(dim=16, n_layers=3, n_heads=2, seq_len=8, vocab_size=32, tie_embeddings=tied)
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def test_split_keeps_the_original_names_on_meta():
+    whole = {n for n, _ in _decoder().named_parameters()}
+    first = {n for n, _ in split_for_stage(_decoder(), 0, 2).named_parameters()}
+    last = {n for n, _ in split_for_stage(_decoder(), 1, 2).named_parameters()}
+    assert first | last == whole and not first & last
+    assert "tok_embeddings.weight" in first and "layers.1.ffn_norm.weight" in first
+    assert "layers.2.attention.wq.weight" in last and "output.weight" in last
+    assert "norm.weight" in last
+
+
+def test_split_stage_forward_chains_to_the_whole_model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=16, n_layers=3, n_heads=2, seq_len=8, vocab_size=32, tie_embeddings=False)
+    whole = Transformer(cfg)
+    ids = torch.randint(0, 32, (2, 8))
+    expected = whole(ids)
+    import copy
+
+    first, last = (split_for_stage(copy.deepcopy(whole), s, 2) for s in range(2))
+    torch.testing.assert_close(last(first(ids)), expected)
+
+
+def test_tied_embeddings_are_refused_by_name():
+    with pytest.raises(ValueError, match="tie_embeddings / tie_word_embeddings"):
+        split_for_stage(_decoder(tied=True), 0, 2)
+
+
+def test_unsupported_family_is_refused_by_name():
+    with pytest.raises(ValueError, match="model_type"):
+        split_for_stage(torch.nn.Linear(2, 2), 0, 2)
+
+
+def test_plan_lines_name_stages_layers_and_bubble():
+    from ray_fsdp_backend.pipeline.layout import format_pipeline_plan
+
+    lines = format_pipeline_plan(2, 5, "1f1b", 8, ((0, 2), (1, 3)))
+    assert "0: layers 0-2 + embedding; 1: layers 3-4 + norm, head" in lines[0]
+    assert "8 micro-batches: bubble 11.1%" in lines[0]
+    assert lines[2:] == ["  [0, 2]", "  [1, 3]"]
+
+
+def test_the_trainer_refuses_pipeline_stages_by_name():
+    """``ray-fsdp train`` has no pipeline loop yet: a train YAML asking for
+    stages is refused before Ray starts, naming the key and the library call."""
+    from ray_fsdp_backend.trainer.spec import apply_overrides, check_spec, load_yaml
+
+    doc = apply_overrides(
+        load_yaml("examples/cpu_tiny.yaml"),
+        ["distributed.pipeline_parallel_size=2", "scaling.num_workers=4"],
+    )
+    errors = [e for e in check_spec(doc) if "pipeline_parallel_size=2" in e]
+    assert errors and "ctx.pipeline_step" in errors[0]
