@@ -122,19 +122,13 @@ def _builtin_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _hf_forward(self, x: torch.Tensor) -> torch.Tensor:
     """A transformers decoder stage, as its ``model.forward`` without a cache."""
-    from transformers.masking_utils import create_causal_mask
+    from ray_fsdp_backend.hf.compat import create_causal_mask
 
     inner = self.model
     if inner.embed_tokens is not None:
         x = inner.embed_tokens(x)
     positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-    mask = create_causal_mask(
-        config=self.config,
-        inputs_embeds=x,
-        attention_mask=None,
-        cache=None,
-        position_ids=positions,
-    )
+    mask = create_causal_mask(self.config, x, position_ids=positions)
     rope = inner.rotary_emb(x, position_ids=positions)
     for layer in inner.layers:
         x = layer(x, attention_mask=mask, position_embeddings=rope, position_ids=positions)
