@@ -428,10 +428,16 @@ def _tolerance(case: Case) -> dict:
     norms 4e-4, the experts' norm 1.5e-3): the ranks' bf16 gradients are
     summed in fp32 where one process sums its rows in bf16. The norms after
     three AdamW steps differ more (2-norm 0.9%, inf-norm 5%: one element,
-    moved by AdamW's near-sign updates of gradients that bf16 rounds)."""
+    moved by AdamW's near-sign updates of gradients that bf16 rounds). The
+    routers' load counts picks: fp32 routes every token alike; in bf16 a
+    near-tie pick can flip as the weights drift apart over the steps (on an
+    AVX-512 machine one of the 192 picks of layer 1 did: 1.458 vs 1.5), so
+    bf16 allows 5%, about two picks."""
     if case.bf16:
-        return dict(logits=BF16_LOGITS, loss=BF16_LOSS, norm=BF16_NORM, clip=BF16_CLIP)
-    return dict(logits=1e-5, loss=1e-5, norm=1e-4, clip=dict.fromkeys(NORM_TYPES, 1e-4))
+        return dict(logits=BF16_LOGITS, loss=BF16_LOSS, norm=BF16_NORM, clip=BF16_CLIP, router=0.05)
+    return dict(
+        logits=1e-5, loss=1e-5, norm=1e-4, clip=dict.fromkeys(NORM_TYPES, 1e-4), router=1e-9
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -450,7 +456,7 @@ def test_matches_one_process(results, name):
         assert clip_norms[p] == pytest.approx(ref_clip[p], rel=tol["clip"][p]), p
     # router load over the global batch, summed over the ranks (ctx.router_stats)
     assert router.keys() == ref_router.keys() == {f"router/layer{i}/max_over_mean" for i in (0, 1)}
-    assert router == pytest.approx(ref_router, rel=1e-9)
+    assert router == pytest.approx(ref_router, rel=tol["router"])
     assert all(1.0 < r <= EXPERTS for r in router.values())
     # rank 0's experts forward held N/E experts and saw local expert ids only
     assert {shape[0] for shape, _ in seen} == {EXPERTS // case.ep}
