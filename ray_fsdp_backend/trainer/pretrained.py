@@ -212,11 +212,11 @@ def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
         matrix_params=matrices,
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
         nf4_params=sum(math.prod(t.shape) for t in nf4_targets(model)),
-        **_decoder_shape(getattr(model, "config", None)),
+        **_attention_heads(getattr(model, "config", None)),
     )
 
 
-def _decoder_shape(config) -> dict[str, int]:
+def _attention_heads(config) -> dict[str, int]:
     """Attention heads of a transformers config (the activation estimate's
     input beside the head's width and vocabulary); empty when missing."""
     if config is not None and hasattr(config, "get_text_config"):
