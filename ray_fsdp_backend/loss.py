@@ -21,12 +21,23 @@ the log-sum-exp is assembled with one all-reduce of the maxima and one of
 the exp-sums (stacked with the target logits) per chunk, as torch's
 ``loss_parallel`` does; the hidden states' gradient is summed over the tp
 ranks in backward.
+
+With ``compile=True`` the per-chunk math (the chunk's logits, soft-cap,
+log-sum-exp and target logit in forward; softmax minus one-hot and the
+hidden states' matmul in backward) runs through ``torch.compile``, one
+compiled function each for forward and backward; the autograd function,
+the chunk loop, the weight gradient's accumulation and the tp all-reduces
+stay eager. Full chunks compile with static shapes; the last, shorter chunk
+of a call makes dynamo mark the token dimension dynamic, so remainders of
+other lengths reuse that graph (``dynamic=None``, torch's automatic dynamic
+shapes; a 1-token remainder is specialised once).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +65,7 @@ def linear_cross_entropy(
     reduction: str = "sum",
     chunk_size: int | None = None,
     softcap: float | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T).float(), labels)`` without the
     whole ``[tokens, vocab]`` logits.
@@ -74,6 +86,9 @@ def linear_cross_entropy(
         reduction: ``sum`` (over valid tokens) or ``mean`` (over valid tokens).
         chunk_size: tokens per chunk (None: :data:`DEFAULT_CHUNK_TOKENS`).
         softcap: Gemma 2's final logit soft-cap ``c * tanh(logits / c)``.
+        compile: run each chunk's forward and backward math through
+            ``torch.compile`` (inductor; a C++ compiler on CPU); the same
+            numbers as eager within fp32 rounding.
 
     Returns:
         A 0-d fp32 tensor.
@@ -104,6 +119,7 @@ def linear_cross_entropy(
         softcap,
         group,
         vocab_start,
+        _kernels(compile),
     )
     if reduction == "sum":
         return total
@@ -138,35 +154,83 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> to
     return _capped((h @ w.T).float(), softcap)
 
 
+def _chunk_stats(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
+    """One chunk's log-sum-exp over this rank's vocabulary (slice), and each
+    row's target logit where its target lies in the slice (else 0); fp32."""
+    z = _chunk_logits(h, w, softcap)
+    target, valid = _local_targets(labels, ignore_index, vocab_start, w.shape[0])
+    picked = torch.where(valid, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
+    peak = z.max(dim=1).values
+    exp_sum = z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1)  # in place: one chunk held
+    return peak + exp_sum.log(), picked
+
+
+def _chunk_grads(h, w, labels, lse, scale, options: tuple, want_hidden: bool):
+    """One chunk's gradient of ``scale`` x its token-sum loss with respect to
+    its logits (in ``h``'s dtype) and, when ``want_hidden``, to ``h``;
+    ``options``: ``(ignore_index, vocab_start, softcap)``."""
+    grad_z = _chunk_grad(h, w, labels, lse, *options).mul_(scale).to(h.dtype)
+    return grad_z, (grad_z @ w if want_hidden else None)
+
+
+class _Kernels(NamedTuple):
+    """The per-chunk math, eager or compiled."""
+
+    stats: Callable
+    grads: Callable
+
+
+_EAGER = _Kernels(_chunk_stats, _chunk_grads)
+_COMPILED: list[_Kernels] = []
+
+
+def _kernels(compiled: bool) -> _Kernels:
+    """The eager kernels, or their ``torch.compile``-d twins (made once per
+    process: dynamo keeps one graph per shape class and guard set)."""
+    if not compiled:
+        return _EAGER
+    if not _COMPILED:
+        _COMPILED.append(_Kernels(*(torch.compile(fn, dynamic=None) for fn in _EAGER)))
+    return _COMPILED[0]
+
+
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, op=op, group=group)
     return t
 
 
+def _combine_slices(lse, picked, group):
+    """The log-sum-exp over the whole vocabulary and the target logits from
+    each tp rank's slice: one all-reduce of the maxima and one of the sums."""
+    if group is None:
+        return lse, picked
+    peak = _all_reduce(lse.clone(), dist.ReduceOp.MAX, group)
+    sums = _all_reduce(torch.stack(((lse - peak).exp(), picked)), dist.ReduceOp.SUM, group)
+    return peak + sums[0].log(), sums[1]
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Token-sum cross-entropy over chunks; saves only the log-sum-exps."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk, softcap, group, vocab_start):
-        n, vocab_local = hidden.shape[0], weight.shape[0]
+    def forward(
+        ctx, hidden, weight, labels, ignore_index, chunk, softcap, group, vocab_start, kernels
+    ):
+        n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            z = _chunk_logits(hidden[start:end], weight, softcap)
             rows = labels[start:end]
-            target, valid = _local_targets(rows, ignore_index, vocab_start, vocab_local)
-            picked = torch.where(valid, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
-            peak = _all_reduce(z.max(dim=1).values, dist.ReduceOp.MAX, group)
-            exp_sum = z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1)  # in place: one chunk held
-            del z
-            sums = _all_reduce(torch.stack((exp_sum, picked)), dist.ReduceOp.SUM, group)
-            lse[start:end] = peak + sums[0].log()
-            kept = rows != ignore_index
-            total += torch.where(kept, lse[start:end] - sums[1], 0.0).sum()
+            stats = kernels.stats(
+                hidden[start:end], weight, rows, ignore_index, vocab_start, softcap
+            )
+            lse[start:end], picked = _combine_slices(*stats, group)
+            total += torch.where(rows != ignore_index, lse[start:end] - picked, 0.0).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.options = (ignore_index, chunk, softcap, group, vocab_start)
+        ctx.options = (ignore_index, vocab_start, softcap)
+        ctx.chunk, ctx.group, ctx.kernels = chunk, group, kernels
         return total
 
     @staticmethod
@@ -177,28 +241,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = None
         if want_weight:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.options[1]):
-            end = min(start + ctx.options[1], hidden.shape[0])
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
             h = hidden[start:end]
-            grad_z = _chunk_grad(h, weight, labels[start:end], lse[start:end], ctx.options)
-            grad_z = grad_z.mul_(grad_total).to(hidden.dtype)
+            grad_z, grad_h = ctx.kernels.grads(
+                h, weight, labels[start:end], lse[start:end], grad_total, ctx.options, want_hidden
+            )
             if want_hidden:
-                torch.mm(grad_z, weight, out=grad_hidden[start:end])
+                grad_hidden[start:end] = grad_h
             if want_weight and grad_z.dtype == torch.float32:
                 grad_weight.addmm_(grad_z.T, h)
             elif want_weight:  # bf16 product, summed over the chunks in fp32
                 grad_weight += grad_z.T @ h
             del grad_z
         if want_hidden:
-            _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.options[3])
+            _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
-def _chunk_grad(h, weight, labels, lse, options) -> torch.Tensor:
+def _chunk_grad(h, weight, labels, lse, ignore_index, vocab_start, softcap) -> torch.Tensor:
     """d(token-sum loss) / d(pre-cap logits) of one chunk, fp32."""
-    ignore_index, _chunk, softcap, _group, vocab_start = options
     z = _chunk_logits(h, weight, softcap)
     grad = (z - lse.unsqueeze(1)).exp_()  # softmax
     target, valid = _local_targets(labels, ignore_index, vocab_start, weight.shape[0])

@@ -18,9 +18,11 @@ Gemma's ``final_logit_softcapping``, Cohere's ``logit_scale`` and Granite's
 after the forward, so the FSDP unit that holds it keeps it gathered until
 backward (:func:`prepare_loss`; torch's own default for a root unit, and
 the root's weights are gathered again at the start of backward anyway).
-``loss_chunk_tokens: 0`` computes ``F.cross_entropy`` on the whole fp32
-logits, as before; a head that is not a plain bias-free ``nn.Linear`` (a
-LoRA adapter on it) takes that path too.
+With ``distributed.compile`` on (``auto``: on CUDA workers) the fused
+loss's per-chunk math is compiled too (``linear_cross_entropy(...,
+compile=True)``). ``loss_chunk_tokens: 0`` computes ``F.cross_entropy``
+on the whole fp32 logits, as before; a head that is not a plain bias-free
+``nn.Linear`` (a LoRA adapter on it) takes that path too.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def micro_batch_loss(
     position_ids: torch.Tensor | None,
     head: LossHead | None,
     chunk_tokens: int,
+    compile: bool = False,
 ) -> MicroBatchLoss:
     """The token-sum cross-entropy of one micro-batch and its aux loss.
 
@@ -123,6 +126,8 @@ def micro_batch_loss(
         position_ids: what the model takes (packed rows, cp shards) or None.
         head: :func:`prepare_loss`'s result; None computes the full logits.
         chunk_tokens: tokens per chunk of the fused loss.
+        compile: compile the fused loss's per-chunk math (the run's
+            ``distributed.compile``, resolved for the worker's device).
     """
     if head is None:
         output = model(inputs, position_ids=position_ids)
@@ -135,6 +140,11 @@ def micro_batch_loss(
         output = model(inputs, position_ids=position_ids)
     hidden = captured.hidden if head.scale == 1.0 else captured.hidden * head.scale
     token_sum = linear_cross_entropy(
-        hidden, head.module.weight, targets, chunk_size=chunk_tokens, softcap=head.softcap
+        hidden,
+        head.module.weight,
+        targets,
+        chunk_size=chunk_tokens,
+        softcap=head.softcap,
+        compile=compile,
     )
     return MicroBatchLoss(token_sum, getattr(output, "aux_loss", None))

@@ -367,6 +367,7 @@ def batch_loss(ctx, model: nn.Module, batch: dict, spec: RunSpec, head=...) -> M
         position_ids=model_positions(ctx, spec, batch),
         head=head,
         chunk_tokens=chunk,
+        compile=spec.distributed.compiles_on(ctx.device.type),
     )
 
 

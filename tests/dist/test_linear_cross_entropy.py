@@ -4,10 +4,11 @@ One 2-rank spawn trains the example decoder 3 AdamW steps through the
 trainer's loss (:func:`~ray_fsdp_backend.trainer.loss.micro_batch_loss`,
 chunks of 5 tokens, uneven) under FSDP2 with an untied head (the head's
 weight sharded, kept gathered from forward to the loss), FSDP2 with tied
-embeddings, tp 2 with ``loss_parallel`` (each rank its vocabulary slice)
-and cp 2 on packed rows (documents restart their positions; -100 targets at
-their ends). Each rank also trains a plain copy of the same initial weights
-on the whole global batch with ``F.cross_entropy`` on the full logits; the
+embeddings, tp 2 with ``loss_parallel`` (each rank its vocabulary slice;
+again with the chunk math compiled, ``compile=True``) and cp 2 on packed
+rows (documents restart their positions; -100 targets at their ends).
+Each rank also trains a plain copy of the same initial weights on the
+whole global batch with ``F.cross_entropy`` on the full logits; the
 step losses (averaged over ranks) must match to 1e-5 and the final weights
 to 1e-4 (measured: up to 4e-5, AdamW's normalisation turning rounding of
 the sharded reductions into that much; a wrong head gradient moves weights
@@ -27,6 +28,8 @@ LAYOUTS = {
     "fsdp untied": (dict(), dict(tie_embeddings=False)),
     "fsdp tied": (dict(), dict(tie_embeddings=True)),
     "tp2 loss_parallel": (dict(tensor_parallel_size=2, loss_parallel=True), {}),
+    # The per-chunk math compiled (inductor), the all-reduces between its graphs.
+    "tp2 loss_parallel compiled": (dict(tensor_parallel_size=2, loss_parallel=True), {}, True),
     "cp2 packed": (dict(context_parallel_size=2), {}),
 }
 ROWS, SEQ, STEPS = 4, 16, 3
@@ -71,7 +74,7 @@ def _reference(cfg, start: dict, batch) -> tuple[list[float], dict]:
     return losses, model.state_dict()
 
 
-def _layout(settings: dict, shape: dict) -> dict:
+def _layout(settings: dict, shape: dict, compiled: bool = False) -> dict:
     from ray_fsdp_backend._worker import setup_process_context
     from ray_fsdp_backend.config import FSDPSettings
     from ray_fsdp_backend.trainer.loss import micro_batch_loss, prepare_loss
@@ -101,6 +104,7 @@ def _layout(settings: dict, shape: dict) -> dict:
                 position_ids=batch["position_ids"],
                 head=head,
                 chunk_tokens=5,
+                compile=compiled,
             )
             loss = token_sum / count
             loss.backward()

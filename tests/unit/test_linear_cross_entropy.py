@@ -5,11 +5,14 @@ targets, Gemma 2's soft-cap, reduction sum and mean and a chunk that does not
 divide the tokens; bf16 inputs against the fp32 reference within a stated
 tolerance; and, watched by the profiler's allocation records in one test,
 no allocation of ``tokens x vocab x 4`` bytes and a peak rise below a
-quarter of the full-logits path's.
+quarter of the full-logits path's. ``compile=True`` (inductor on the CPU)
+equals eager and the full logits to the same 1e-5, and a call whose last
+chunk has another length compiles nothing new (dynamo's counters).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,54 @@ def test_fp32_equals_full_logits_cross_entropy(reduction, softcap, chunk):
     )
     for name, g, w in zip(("loss", "hidden grad", "weight grad"), got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def compiled_runs():
+    """Compiled, eager and reference value and gradients of two cases (45
+    tokens, chunks of 7: six full and a remainder of 3), and dynamo's graph
+    count after them and after two more calls whose remainders are 5 and 2."""
+    torch._dynamo.reset()
+    runs = {}
+    for reduction, softcap in (("sum", 2.5), ("mean", None)):
+        hidden, weight, labels = _operands()
+        kw = dict(reduction=reduction, chunk_size=7, softcap=softcap)
+        runs[reduction, softcap] = [
+            _value_and_grads(rfb.linear_cross_entropy, hidden, weight, labels, compile=True, **kw),
+            _value_and_grads(rfb.linear_cross_entropy, hidden, weight, labels, **kw),
+            _value_and_grads(
+                partial(_reference, reduction=reduction, softcap=softcap), hidden, weight, labels
+            ),
+        ]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    hidden, weight, labels = _operands()
+    for tokens in (40, 30):  # remainders 5 and 2
+        _value_and_grads(
+            rfb.linear_cross_entropy,
+            hidden.flatten(0, 1)[:tokens],
+            weight,
+            labels.flatten()[:tokens],
+            chunk_size=7,
+            compile=True,
+        )
+    return runs, graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("case", [("sum", 2.5), ("mean", None)])
+def test_compiled_equals_eager_and_full_logits(compiled_runs, case):
+    compiled, eager, want = compiled_runs[0][case]
+    names = ("loss", "hidden grad", "weight grad")
+    for name, c, e, w in zip(names, compiled, eager, want, strict=True):
+        torch.testing.assert_close(c, w, rtol=1e-5, atol=1e-6, msg=f"compiled {name}")
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6, msg=f"compiled vs eager {name}")
+
+
+def test_compiled_remainder_of_another_length_does_not_recompile(compiled_runs):
+    """The first calls compile the full chunk's graphs and, at the
+    remainder, graphs dynamic in the tokens: later remainders reuse them."""
+    _, graphs, after = compiled_runs
+    assert graphs >= 2  # forward and backward kernels: the counters see compiles
+    assert after == graphs, f"{after - graphs} graphs compiled for other remainders"
 
 
 def test_ignored_rows_take_no_loss_and_no_gradient():
