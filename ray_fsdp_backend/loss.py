@@ -154,15 +154,26 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> to
     return _capped((h @ w.T).float(), softcap)
 
 
-def _chunk_stats(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
-    """One chunk's log-sum-exp over this rank's vocabulary (slice), and each
-    row's target logit where its target lies in the slice (else 0); fp32."""
+def _logits_peak(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
+    """One chunk's fp32 logits over this rank's vocabulary (slice), their
+    row maxima, and each row's target logit where its target lies in the
+    slice (else 0)."""
     z = _chunk_logits(h, w, softcap)
     target, valid = _local_targets(labels, ignore_index, vocab_start, w.shape[0])
     picked = torch.where(valid, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
-    peak = z.max(dim=1).values
-    exp_sum = z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1)  # in place: one chunk held
-    return peak + exp_sum.log(), picked
+    return z, z.max(dim=1).values, picked
+
+
+def _exp_sum(z: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """Row sums of ``exp(z - peak)``, in place in ``z``: one chunk held."""
+    return z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1)
+
+
+def _chunk_stats(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
+    """One chunk's log-sum-exp and target logits over the whole vocabulary
+    (the weight unsplit): :func:`_logits_peak` and :func:`_exp_sum` in one."""
+    z, peak, picked = _logits_peak(h, w, labels, ignore_index, vocab_start, softcap)
+    return peak + _exp_sum(z, peak).log(), picked
 
 
 def _chunk_grads(h, w, labels, lse, scale, options: tuple, want_hidden: bool):
@@ -174,13 +185,17 @@ def _chunk_grads(h, w, labels, lse, scale, options: tuple, want_hidden: bool):
 
 
 class _Kernels(NamedTuple):
-    """The per-chunk math, eager or compiled."""
+    """The per-chunk math, eager or compiled: ``stats`` for a whole
+    vocabulary, ``logits_peak`` and ``exp_sum`` on either side of a tp
+    all-reduce of the maxima, ``grads`` for backward."""
 
     stats: Callable
+    logits_peak: Callable
+    exp_sum: Callable
     grads: Callable
 
 
-_EAGER = _Kernels(_chunk_stats, _chunk_grads)
+_EAGER = _Kernels(_chunk_stats, _logits_peak, _exp_sum, _chunk_grads)
 _COMPILED: list[_Kernels] = []
 
 
@@ -200,13 +215,16 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _combine_slices(lse, picked, group):
-    """The log-sum-exp over the whole vocabulary and the target logits from
-    each tp rank's slice: one all-reduce of the maxima and one of the sums."""
+def _chunk_forward(kernels: _Kernels, h, w, labels, options: tuple, group):
+    """One chunk's log-sum-exp and target logits over the whole vocabulary;
+    under tp one all-reduce of the maxima and one of the exp-sums and target
+    logits, between the kernels. ``options``: ``(ignore_index, vocab_start,
+    softcap)``."""
     if group is None:
-        return lse, picked
-    peak = _all_reduce(lse.clone(), dist.ReduceOp.MAX, group)
-    sums = _all_reduce(torch.stack(((lse - peak).exp(), picked)), dist.ReduceOp.SUM, group)
+        return kernels.stats(h, w, labels, *options)
+    z, peak, picked = kernels.logits_peak(h, w, labels, *options)
+    peak = _all_reduce(peak, dist.ReduceOp.MAX, group)
+    sums = _all_reduce(torch.stack((kernels.exp_sum(z, peak), picked)), dist.ReduceOp.SUM, group)
     return peak + sums[0].log(), sums[1]
 
 
@@ -220,16 +238,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        options = (ignore_index, vocab_start, softcap)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             rows = labels[start:end]
-            stats = kernels.stats(
-                hidden[start:end], weight, rows, ignore_index, vocab_start, softcap
-            )
-            lse[start:end], picked = _combine_slices(*stats, group)
+            stats = _chunk_forward(kernels, hidden[start:end], weight, rows, options, group)
+            lse[start:end], picked = stats
             total += torch.where(rows != ignore_index, lse[start:end] - picked, 0.0).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.options = (ignore_index, vocab_start, softcap)
+        ctx.options = options
         ctx.chunk, ctx.group, ctx.kernels = chunk, group, kernels
         return total
 
