@@ -43,6 +43,9 @@ import pytest
 # Tests run with CPU workers; keep Ray's stray warnings about GPUs and metrics quiet.
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# No instance-metadata lookups from pyarrow's S3 client in this process or the
+# Ray workers it starts (a shared cluster may start before ``s3_server``).
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 #: Logical CPUs of the shared cluster: 4 Train workers plus one for Ray Data tasks.
 RAY_CPUS = 5

@@ -1,6 +1,10 @@
 """Sharded checkpoints on gloo ranks without Ray: resharding across world size
 and strategy, crash during save, mismatched models, RNG/extra state, export
-(checked in a fresh process without this package)."""
+(checked in a fresh process without this package), rank-local buffers.
+
+Three spawned jobs for the module (:func:`spawned`): 4 ranks save, 2 ranks
+save and crash, then one 2-rank job reshards the 4-rank checkpoint, resumes
+after the crash and round-trips rank-local buffers."""
 
 from __future__ import annotations
 
@@ -101,10 +105,30 @@ def _load_two_ranks(rank, world_size, root):
     return out
 
 
-def test_reshard_four_fsdp_ranks_to_two_fsdp_hsdp_ddp(tmp_path):
-    saved, after_next_step = run_ranks(_save_four_ranks, 4, str(tmp_path))
-    assert (tmp_path / "run" / "checkpoint_000001" / "COMPLETE").exists()
-    loaded_all = run_ranks(_load_two_ranks, 2, str(tmp_path))
+def _two_ranks(rank, world, reshard_root, crash_root, buffers_root):
+    return (
+        _load_two_ranks(rank, world, reshard_root),
+        _restore_after_crash(rank, world, crash_root),
+        _per_rank_buffers(rank, world, buffers_root),
+    )
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """The three roots, what the 4-rank save returned, whether the crash left
+    a partial checkpoint (its files before the next job), and what the 2-rank
+    job returned."""
+    roots = [tmp_path_factory.mktemp(name) for name in ("reshard", "crash", "buffers")]
+    four = run_ranks(_save_four_ranks, 4, str(roots[0]))
+    with pytest.raises(AssertionError, match="a rank failed"):
+        run_ranks(_save_then_crash, 2, str(roots[1]))
+    partial = sorted(os.listdir(roots[1] / "checkpoint_000002"))
+    return roots, four, partial, run_ranks(_two_ranks, 2, *map(str, roots))
+
+
+def test_reshard_four_fsdp_ranks_to_two_fsdp_hsdp_ddp(spawned):
+    (root, _, _), (saved, after_next_step), _, (loaded_all, _, _) = spawned
+    assert (root / "run" / "checkpoint_000001" / "COMPLETE").exists()
     for label, (extra, loaded, stepped) in loaded_all.items():
         assert extra == {"step": 3}, label
         # Parameters and Adam moments are copied exactly, DDP keys without `module.`.
@@ -150,15 +174,11 @@ def _restore_after_crash(rank, world_size, root):
     return name, extra, state, errors, next_name, listing, _export(rank, root)
 
 
-def test_crash_during_save_resumes_previous_and_mismatch_names_keys(tmp_path):
-    with pytest.raises(AssertionError, match="a rank failed"):
-        run_ranks(_save_then_crash, 2, str(tmp_path))
-    partial = tmp_path / "checkpoint_000002"
-    assert (partial / ".metadata").exists() and not (partial / "COMPLETE").exists()
+def test_crash_during_save_resumes_previous_and_mismatch_names_keys(spawned):
+    (_, tmp_path, _), _, partial, (_, restored, _) = spawned
+    assert ".metadata" in partial and "COMPLETE" not in partial
 
-    name, extra, state, errors, next_name, listing, exported = run_ranks(
-        _restore_after_crash, 2, str(tmp_path)
-    )
+    name, extra, state, errors, next_name, listing, exported = restored
     assert name == "checkpoint_000001"
     assert extra == {"step": 1, "data": [0, 7]}  # rank 0's own extra state
     want = torch.load(tmp_path / "after_save_0.pt")
@@ -252,8 +272,8 @@ def _per_rank_buffers(rank: int, world_size: int, path: str) -> list[list[float]
     return everyone
 
 
-def test_rank_local_buffers_come_back_per_rank(tmp_path):
-    results = run_ranks(_per_rank_buffers, 2, str(tmp_path))
+def test_rank_local_buffers_come_back_per_rank(spawned):
+    *_, (_, _, results) = spawned
     assert results[0][0] != results[1][0]  # the ranks really differ
     for saved, restored in results:
         assert restored == saved

@@ -3,10 +3,12 @@ ranks, no Ray: each rank reads only its byte ranges (bytes counted), restores
 reshard 4 -> 2 ranks exactly, and an asynchronous save writes the state as it
 was when staged, or, when its background write fails, leaves the previous
 checkpoint the newest complete one with an error that names the store;
-DMuon's state reshards 4 -> 2 ranks from S3 too."""
+DMuon's state reshards 4 -> 2 ranks from S3 too. One spawned job per world
+size (4, then 2) runs every case of the module."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -32,6 +34,7 @@ from tests.dist.test_dmuon import (  # noqa: F401  (reference is a fixture)
 from tests.dist.test_dmuon import build as dmuon_build
 
 MODEL = {"dim": 256, "n_layers": 4}  # ~3 MiB with Adam moments: metadata stays small
+ROOT, DMUON_ROOT = "dist-ckpt/run", "dist-dmuon/run"
 
 
 def _total_read(fn) -> int:
@@ -96,13 +99,36 @@ def _restore_two(rank, world_size, s3, root, name):
     return read, _full_state(model, opt)
 
 
-def test_ranged_restore_reshard_and_async_save_on_s3(s3_server):
+def _four_ranks(rank, world_size, s3):
+    return (
+        _save_restore_four(rank, world_size, s3, ROOT),
+        _dmuon_save(rank, world_size, s3, DMUON_ROOT),
+    )
+
+
+def _two_ranks(rank, world_size, s3, dmuon_name):
+    return (
+        _restore_two(rank, world_size, s3, ROOT, "checkpoint_000001"),
+        _restore_two(rank, world_size, s3, ROOT, "checkpoint_000002"),
+        _dmuon_resume(rank, world_size, s3, DMUON_ROOT, dmuon_name),
+    )
+
+
+@pytest.fixture(scope="module")
+def spawned(s3_server):
+    """The store, and what the 4-rank and then the 2-rank job returned."""
     from tests.dist.harness import run_ranks
 
     s3 = s3_server.filesystem()
-    s3.create_dir("dist-ckpt")
-    root = "dist-ckpt/run"
-    read4, saved, staged, async_name, error, latest = run_ranks(_save_restore_four, 4, s3, root)
+    for root in (ROOT, DMUON_ROOT):
+        s3.create_dir(root.split("/")[0])
+    four = run_ranks(_four_ranks, 4, s3)
+    return s3, four, run_ranks(_two_ranks, 2, s3, four[1])
+
+
+def test_ranged_restore_reshard_and_async_save_on_s3(spawned):
+    s3, ((read4, saved, staged, async_name, error, latest), _), two = spawned
+    root = ROOT
     size = counting_fs.tree_size(s3, f"{root}/checkpoint_000001")
     print(f"checkpoint {size} B; restore at 4 ranks read {read4} B ({read4 / size:.2f}x)")
     assert read4 <= 1.2 * size, (read4, size)
@@ -110,11 +136,10 @@ def test_ranged_restore_reshard_and_async_save_on_s3(s3_server):
     assert error is not None and "s3://dist-ckpt/run" in error and "injected" in error, error
     assert "testing" not in error  # no credentials in messages
     assert latest == "checkpoint_000002"  # the failed async save never committed
-    read2, loaded = run_ranks(_restore_two, 2, s3, root, "checkpoint_000001")
+    (read2, loaded), (_, async_loaded), _ = two
     print(f"restore at 2 ranks read {read2} B ({read2 / size:.2f}x)")
     assert read2 <= 1.2 * size, (read2, size)
     _assert_states_equal(loaded, saved)
-    _, async_loaded = run_ranks(_restore_two, 2, s3, root, "checkpoint_000002")
     _assert_states_equal(async_loaded, staged)
 
 
@@ -136,18 +161,12 @@ def _dmuon_resume(rank, world_size, s3, root, name):
     return read, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
-def test_dmuon_state_reshards_4_to_2_ranks_from_s3(s3_server, reference):  # noqa: F811
+def test_dmuon_state_reshards_4_to_2_ranks_from_s3(spawned, reference):  # noqa: F811
     """DMuon's momentum (sharded like its matrices) and the AdamW moments,
     saved by 4 ranks on S3 and restored by 2 with ranged reads, end where
     one process running torch's Muon and AdamW ends."""
-    from tests.dist.harness import run_ranks
-
-    s3 = s3_server.filesystem()
-    s3.create_dir("dist-dmuon")
-    root = "dist-dmuon/run"
-    name = run_ranks(_dmuon_save, 4, s3, root)
-    size = counting_fs.tree_size(s3, f"{root}/{name}")
-    read, params = run_ranks(_dmuon_resume, 2, s3, root, name)
+    s3, (_, name), (_, _, (read, params)) = spawned
+    size = counting_fs.tree_size(s3, f"{DMUON_ROOT}/{name}")
     print(f"DMuon checkpoint {size} B; restore at 2 ranks read {read} B ({read / size:.2f}x)")
     assert read <= 1.2 * size, (read, size)
     assert_params_close(params, reference[0], "DMuon saved at 4 ranks on S3, finished at 2")

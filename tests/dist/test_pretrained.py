@@ -1,9 +1,11 @@
 """``load_pretrained`` on real gloo ranks against ``from_pretrained`` in one process.
 
-One spawned job per world size loads every tiny model (Llama, GPT-2,
-Qwen3-MoE; tied and untied; shards spread over several files) under every
-strategy and compares the logits on one batch with the single-process
-``AutoModelForCausalLM.from_pretrained`` logits.
+One spawned job per world size (4, then 2) runs every case of the module:
+it loads every tiny model (Llama, GPT-2, Qwen3-MoE; tied and untied; shards
+spread over several files) under every strategy and compares the logits on
+one batch with the single-process ``AutoModelForCausalLM.from_pretrained``
+logits; counts the bytes each rank reads; fine-tunes and exports in the HF
+layout (reloaded in a fresh process); and loads from an S3 API.
 """
 
 from __future__ import annotations
@@ -79,10 +81,51 @@ def pretrained(tmp_path_factory):
     return dirs
 
 
+# (world, strategy, low, high): the bytes a rank reads, as a share of the checkpoint
+SHARES = [(4, "full_shard", 0.15, 0.5), (2, "ddp", 0.95, 1.1)]
+EXPORTS = [("gpt2", True, "full_shard"), ("qwen3_moe", False, "ddp")]
+S3_URI = "s3://pretrained/llama"
+
+
+def _world_four(rank, world, dirs, path):
+    llama = {k: v for k, v in dirs.items() if k[0] == "llama"}
+    return {
+        "logits": _load_all(rank, world, llama),
+        "full_shard": _bytes_read(rank, world, path, "full_shard"),
+    }
+
+
+def _world_two(rank, world, dirs, path, out, fs):
+    results = {"logits": _load_all(rank, world, dirs), "ddp": _bytes_read(rank, world, path, "ddp")}
+    for kind, tied, name in EXPORTS:
+        export = os.path.join(out, kind)
+        results[kind] = _finetune_export(rank, world, dirs[(kind, tied)], export, name)
+    results["s3"] = _load_from_s3(rank, world, fs, S3_URI)
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned(pretrained, s3_server, tmp_path_factory):
+    """World size -> what its one spawned job returned (``"exports"``: where
+    the 2-rank job exported)."""
+    import pyarrow.fs as pafs
+
+    fs = s3_server.filesystem()
+    fs.create_dir("pretrained")
+    pafs.copy_files(pretrained[("llama", True)], S3_URI[5:], destination_filesystem=fs)
+    out = str(tmp_path_factory.mktemp("exports"))
+    path = pretrained[("llama", False)]
+    return {
+        4: run_ranks(_world_four, 4, pretrained, path),
+        2: run_ranks(_world_two, 2, pretrained, path, out, fs),
+        "exports": out,
+    }
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_logits_equal_from_pretrained(pretrained, world):
+def test_logits_equal_from_pretrained(pretrained, spawned, world):
     dirs = pretrained if world == 2 else {k: v for k, v in pretrained.items() if k[0] == "llama"}
-    results = run_ranks(_load_all, world, dirs)
+    results = spawned[world]["logits"]
     assert len(results) == len(dirs) * len(STRATEGIES)
     for (kind, tied, name), logits, _ in results:
         want = _reference_logits(dirs[(kind, tied)])
@@ -103,10 +146,8 @@ def _bytes_read(rank, world, path, name):
     return peers, _logits(model)
 
 
-@pytest.mark.parametrize(
-    ("world", "name", "low", "high"), [(4, "full_shard", 0.15, 0.5), (2, "ddp", 0.95, 1.1)]
-)
-def test_each_rank_reads_its_share(pretrained, world, name, low, high):
+@pytest.mark.parametrize(("world", "name", "low", "high"), SHARES)
+def test_each_rank_reads_its_share(pretrained, spawned, world, name, low, high):
     """Bytes through a counting filesystem: about 1/world of the checkpoint
     per rank when sharded (the whole of it under DDP, which holds it all;
     the headers are read by rank 0 alone)."""
@@ -116,7 +157,7 @@ def test_each_rank_reads_its_share(pretrained, world, name, low, high):
         for f in os.listdir(path)
         if f.endswith(".safetensors")
     )
-    per_rank, logits = run_ranks(_bytes_read, world, path, name)
+    per_rank, logits = spawned[world][name]
     for got in per_rank:
         assert low * total <= got <= high * total, (name, per_rank, total)
     torch.testing.assert_close(logits, _reference_logits(path), atol=1e-5, rtol=1e-5)
@@ -163,15 +204,13 @@ def _fresh_logits(path, tmp_path) -> torch.Tensor:
     return torch.load(tmp_path / "out.pt")
 
 
-@pytest.mark.parametrize(
-    ("kind", "tied", "name"), [("gpt2", True, "full_shard"), ("qwen3_moe", False, "ddp")]
-)
-def test_export_hf_loads_with_from_pretrained(pretrained, tmp_path, kind, tied, name):
+@pytest.mark.parametrize(("kind", "tied", "name"), EXPORTS)
+def test_export_hf_loads_with_from_pretrained(pretrained, spawned, tmp_path, kind, tied, name):
     import json
 
     path = pretrained[(kind, tied)]
-    out = str(tmp_path / "export")
-    wrapped = run_ranks(_finetune_export, 2, path, out, name)
+    out = os.path.join(spawned["exports"], kind)
+    wrapped = spawned[2][kind]
     fp32 = os.path.join(out, "fp32")
     files = sorted(f for f in os.listdir(fp32) if f.endswith(".safetensors"))
     assert len(files) > 2 and not any(f.startswith(".") for f in os.listdir(fp32))
@@ -204,16 +243,11 @@ def _load_from_s3(rank, world, fs, uri):
     return peers, _logits(model)
 
 
-def test_load_from_s3_api(pretrained, s3_server):
+def test_load_from_s3_api(pretrained, spawned):
     """The checkpoint and its config on a real S3 API (moto's server on
     loopback), read through the ``pyarrow.fs.S3FileSystem`` a Ray run takes."""
-    import pyarrow.fs as pafs
-
     path = pretrained[("llama", True)]
-    fs = s3_server.filesystem()
-    fs.create_dir("pretrained")
-    pafs.copy_files(path, "pretrained/llama", destination_filesystem=fs)
-    per_rank, logits = run_ranks(_load_from_s3, 2, fs, "s3://pretrained/llama")
+    per_rank, logits = spawned[2]["s3"]
     torch.testing.assert_close(logits, _reference_logits(path), atol=1e-5, rtol=1e-5)
     weights = sum(
         os.path.getsize(os.path.join(path, f))

@@ -1,8 +1,8 @@
 """Every strategy against a single-process reference, on real gloo ranks.
 
 One spawned job per world size runs all checks for all strategies (a spawn
-costs seconds here); each check compares with the same model trained in one
-process on the full batch.
+costs seconds here), the 2-rank one DDP's buffer broadcast too; each check
+compares with the same model trained in one process on the full batch.
 """
 
 from __future__ import annotations
@@ -266,12 +266,18 @@ def _all_strategies(rank, world, local_world):
         for check in CHECKS:
             check(name, rank, world)
             done.append((name, check.__name__))
-    return done
+    return done, _ddp_buffers(rank, world) if world == 2 else None
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """World size -> (the checks done, DDP's buffers at 2 ranks)."""
+    return {world: run_ranks(_all_strategies, world, world // 2) for world in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_strategy_matches_single_process(world):
-    done = run_ranks(_all_strategies, world, world // 2)
+def test_every_strategy_matches_single_process(spawned, world):
+    done, _ = spawned[world]
     assert len(done) == len(STRATEGIES) * len(CHECKS)
 
 
@@ -308,9 +314,10 @@ def _ddp_buffers(rank, world):
     return out
 
 
-def test_ddp_broadcast_buffers():
+def test_ddp_broadcast_buffers(spawned):
     """True: every rank gets rank 0's buffers (and no deprecation warning
-    from torch 2.13's renamed argument); False: buffers stay rank-local."""
-    out = run_ranks(_ddp_buffers, 2)
+    from torch 2.13's renamed argument); False: buffers stay rank-local
+    (in the 2-rank job, after the strategies' checks)."""
+    _, out = spawned[2]
     assert out[True] == {"seen": [0.0, 0.0], "deprecation": False}
     assert out[False]["seen"] == [0.0, 1.0]

@@ -4,9 +4,10 @@
 and on each rank's torch generator (so an exact resume needs the model, the
 optimizer moments, the step and the RNG state), checkpoints every
 ``every`` steps and can inject faults, each once per run: a worker process dies
-(``os._exit``) mid-step, right after a checkpoint was reported, or during a
-save before the checkpoint is committed. Per-attempt facts go to
-JSON files in ``loop_config["fault_dir"]``. With ``loop_config["pretrained"]``
+(``os._exit``) at the start of a step, right after a checkpoint was reported, or
+during a save before the checkpoint is committed. Per-attempt facts go to
+JSON files in ``loop_config["fault_dir"]``, with the gathered parameters after
+step ``loop_config["params_at"]`` where it is set. With ``loop_config["pretrained"]``
 the model is that tiny Llama with LoRA adapters on its frozen base (adapter
 dropout: the rank's RNG enters the loss) on step-seeded token ids.
 """
@@ -128,6 +129,8 @@ def train_resumable(loop_config: dict) -> dict:
         loss.backward()
         opt.step()
         record["losses"][step] = _mean(float(loss), ctx)
+        if step == loop_config.get("params_at"):  # every rank gathers
+            record["params_at"] = full_params(model)
         if ctx.world_rank == 0:
             with open(path, "w") as f:
                 json.dump(record, f)

@@ -1,14 +1,12 @@
-"""``examples/long_context.yaml`` end to end, and the trainer's context
-parallelism against plain data parallelism on the same global batch.
+"""``examples/long_context.yaml`` end to end, against one process.
 
-Two runs of the command as a user types it (4 CPU workers each), both
-joining the pytest worker's shared Ray cluster (``RAY_ADDRESS``, as inside a
-Ray job) rather than starting two clusters:
-``dp_shard 2 x cp 2`` with micro-batch 2 (each row split over a cp pair) and
-``dp_shard 4 x cp 1`` with micro-batch 1 (a whole row per rank) read the same
-4 rows per step, so their losses and gradient norms must agree step by step.
-Rows are unpacked here; tests/dist/test_trainer_loop.py runs the trainer's
-loop on packed rows (ignored boundary targets) at cp 2 and dp 2.
+The command as a user types it (4 CPU workers, ``dp_shard 2 x cp 2``,
+micro-batch 2: each row split over a cp pair) joins the pytest worker's
+shared Ray cluster (``RAY_ADDRESS``, as inside a Ray job); the trainer's own
+loop (``run_training``) in one spawned process without Ray, micro-batch 4,
+reads the same 4 rows per step, so the losses and gradient norms must agree
+step by step. Rows are unpacked here; tests/dist/test_trainer_loop.py runs
+the loop on packed rows (ignored boundary targets) at cp 2 and dp 2.
 """
 
 from __future__ import annotations
@@ -26,15 +24,16 @@ from tests.conftest import ray_env
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "long_context.yaml"
+SETS = ["train.steps=3", "train.log_every=1", "data.packing=false"]
 
 
-def _train(tmp_path: Path, address: str, name: str, *overrides: str) -> list[dict]:
-    env = ray_env(address)  # both runs join the worker's shared cluster
+def _train(tmp_path: Path, address: str, name: str) -> list[dict]:
+    env = ray_env(address)  # the worker's shared cluster
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    sets = ["train.steps=3", "train.log_every=1", "data.packing=false",
-            f"run.storage_path={tmp_path}", f"run.name={name}", *overrides]  # fmt: skip
+    sets = [*SETS, f"run.storage_path={tmp_path}", f"run.name={name}"]
     out = subprocess.run(
-        [sys.executable, "-m", "ray_fsdp_backend.cli", "train", "examples/long_context.yaml",
+        [sys.executable, "-m", "ray_fsdp_backend.cli", "train", str(EXAMPLE),
          *[arg for s in sets for arg in ("--set", s)]],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
@@ -43,12 +42,27 @@ def _train(tmp_path: Path, address: str, name: str, *overrides: str) -> list[dic
     return [json.loads(line) for line in lines]
 
 
-def test_long_context_example_matches_plain_data_parallel(tmp_path, ray_address):
+def _one_process(rank, world) -> list[dict]:
+    """The example's spec at cp 1, all 4 rows of a step in one micro-batch."""
+    import torch
+
+    from ray_fsdp_backend._worker import setup_process_context
+    from ray_fsdp_backend.trainer.spec import load_spec
+    from ray_fsdp_backend.trainer.train import run_training
+
+    overrides = [*SETS, "distributed.context_parallel_size=1", "train.micro_batch_size=4"]
+    spec = load_spec(EXAMPLE, overrides)
+    ctx = setup_process_context(spec.distributed, torch.device("cpu"))
+    return run_training(ctx, spec, report=lambda metrics: None, resume=False)
+
+
+def test_long_context_example_matches_one_process(tmp_path, ray_address):
+    from tests.dist.harness import run_ranks
+
     cp = _train(tmp_path, ray_address, "cp2")
-    overrides = ("distributed.context_parallel_size=1", "train.micro_batch_size=1")
-    dp = _train(tmp_path, ray_address, "cp1", *overrides)
-    assert [m["step"] for m in cp] == [m["step"] for m in dp] == [1, 2, 3]
-    for a, b in zip(cp, dp, strict=True):
+    one = run_ranks(_one_process, 1)
+    assert [m["step"] for m in cp] == [m["step"] for m in one] == [1, 2, 3]
+    for a, b in zip(cp, one, strict=True):
         assert a["tokens_seen"] == b["tokens_seen"] == a["step"] * 4 * 512
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)

@@ -1,6 +1,6 @@
 """``rfb.sft_dataset`` on a local Ray cluster against the tokenizer alone.
 
-One Ray session (2 CPUs) for the module. Every row is ``seq_len`` long; the
+The pytest worker's shared Ray cluster (``ray_local``). Every row is ``seq_len`` long; the
 documents cut out of the rows (by their ``position_ids``) are exactly the
 records, each once, each equal to ``apply_chat_template`` of its record, with
 targets exactly on its assistant turns; a parquet directory on an S3 API on
@@ -24,15 +24,11 @@ SEQ = 512
 
 
 @pytest.fixture(scope="module")
-def ray_session(s3_server):  # the S3 server first: it sets the workers' AWS environment
-    import ray
+def ray_session(s3_server, ray_local):  # the pytest worker's shared cluster
+    import ray.data
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    return ray_local
 
 
 def _rows(ds) -> dict[str, np.ndarray]:
