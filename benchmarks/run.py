@@ -24,11 +24,13 @@ medians and the median ratio):
     per rank (``hf_s3``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
-(default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
-test suite's smoke run); ``--only`` picks comparisons by name.
+(default ``benchmarks/results``). ``--quick`` uses the smallest sizes and
+the fewest spawned jobs (the test suite's smoke run, :data:`ONE_SPAWN`);
+``--only`` picks comparisons by name. ``results.json`` records each
+comparison's seconds (``seconds``).
 
     python -m benchmarks.run                       # everything, ~4 min on 2 cores
-    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~1 min
+    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~4 min on 2 busy cores
     python -m benchmarks.run --update-docs       # and put the tables into docs/benchmarks.md
 """
 
