@@ -167,8 +167,14 @@ def _baseline_pythonpath(commit: str, root: str) -> str:
     return f"{shim}{os.pathsep}{ROOT}"
 
 
-def _run_side(world: int, port: int, pythonpath: str, export_port, cwd: str) -> dict:
-    """One side at one world size, in a fresh interpreter (the package under test first)."""
+def _run_side(world: int, port: int, pythonpath: str | None, export_port, cwd: str) -> dict:
+    """One side at one world size, in a fresh interpreter (the package under test first);
+    ``pythonpath`` None: this interpreter's package, ranks spawned from here (the quick
+    run, which has one side only)."""
+    if pythonpath is None:
+        from tests.dist.harness import run_ranks
+
+        return json.loads(json.dumps(run_ranks(on_rank, world, port, export_port)))
     env = {**os.environ, "PYTHONPATH": pythonpath}
     code = (
         "import json, sys; from benchmarks.hf_s3 import on_rank; "
@@ -198,9 +204,9 @@ def run(worlds, dim, layers, vocab, latency_s, baseline) -> dict:
         pafs.copy_files(path, f"{BUCKET}/llama", destination_filesystem=direct)
         proxy = DelayProxy(("127.0.0.1", server.port), latency_s)
         export_proxy = DelayProxy(("127.0.0.1", server.port), latency_s)
-        sides = [("after", str(ROOT))]
-        if baseline:  # the quick run skips it
-            sides.insert(0, ("before", _baseline_pythonpath(baseline, root)))
+        sides = [("after", None)]
+        if baseline:  # the quick run skips it; both sides in fresh interpreters then
+            sides = [("before", _baseline_pythonpath(baseline, root)), ("after", str(ROOT))]
         rows = []
         try:
             for world in worlds:

@@ -24,11 +24,13 @@ medians and the median ratio):
     per rank (``hf_s3``);
 
 and writes ``results.json`` and ``results.md`` into ``--out``
-(default ``benchmarks/results``). ``--quick`` uses the smallest sizes (the
-test suite's smoke run); ``--only`` picks comparisons by name.
+(default ``benchmarks/results``). ``--quick`` uses the smallest sizes and
+the fewest spawned jobs (the test suite's smoke run, :data:`ONE_SPAWN`);
+``--only`` picks comparisons by name. ``results.json`` records each
+comparison's seconds (``seconds``).
 
     python -m benchmarks.run                       # everything, ~4 min on 2 cores
-    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~1 min
+    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~4 min on 2 busy cores
     python -m benchmarks.run --update-docs       # and put the tables into docs/benchmarks.md
 """
 
@@ -41,6 +43,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -101,7 +104,7 @@ SETTINGS = {
         "step_time": dict(worlds=(2,), model=TINY, batch=2, accum=2, reps=2, steps=1),
         "clipping": dict(worlds=(2,), counts=(10, 100), reps=2, steps=1),
         "startup": dict(model=TINY, batch=2, workers=2, reps=1, warmup=False),
-        "dmuon": dict(sizes=(32,), ranks=(1, 2), steps=2),
+        "dmuon": dict(sizes=(32,), ranks=(2,), steps=2),  # the sharded path; 1 is the reference
         "scaling": dict(world=2, base=TINY, widths=(32, 64), layers=(1, 2), **QUICK_STEP),
         "compile": dict(world=2, model=TINY, batch=2, accum=1, reps=2, steps=1),
         # One spawn per world size for all sides (_measure.run_sides): peaks not isolated.
@@ -172,6 +175,34 @@ def run_tensor_parallel(world, **kwargs) -> dict:
     return run_ranks(_on_rank, world, tensor_parallel_bench.on_rank, kwargs)
 
 
+ONE_SPAWN = {
+    "step_time": step_time.on_rank,
+    "clipping": clipping.on_rank,
+    "scaling": scaling.on_rank,
+    "compile": compile_bench.on_rank,
+}
+"""The comparisons that ``--quick`` runs in one spawned job of 2 ranks, one
+after another: a job's start (spawning the ranks, importing torch, a process
+group) costs more than each of them does at its smallest sizes."""
+
+
+def _one_spawn_on_rank(rank: int, world: int, jobs: tuple) -> dict:
+    return {name: _on_rank(rank, world, fn, kwargs) for name, fn, kwargs in jobs}
+
+
+def run_in_one_spawn(settings: dict[str, dict], world: int = 2) -> dict:
+    """``{name: result}`` as the runners return them (a list per world size for
+    ``step_time`` and ``clipping``) for comparisons of :data:`ONE_SPAWN` whose
+    settings are at ``world`` ranks only, all in one job."""
+    jobs = []
+    for name, cfg in settings.items():
+        assert cfg.get("worlds", (cfg.get("world"),)) == (world,), (name, cfg)
+        kwargs = {k: v for k, v in cfg.items() if k not in ("world", "worlds")}
+        jobs.append((name, ONE_SPAWN[name], kwargs))
+    out = run_ranks(_one_spawn_on_rank, world, tuple(jobs))
+    return {n: [out[n]] if "worlds" in settings[n] else out[n] for n in settings}
+
+
 RUNNERS = {
     "step_time": run_step_time,
     "clipping": run_clipping,
@@ -213,11 +244,18 @@ def machine() -> dict:
 
 def run(mode: str = "full", only: tuple[str, ...] = COMPARISONS) -> dict:
     """Every selected comparison's results, as one JSON-ready dict."""
-    results = {"mode": mode, "machine": machine(), "settings": {}}
+    settings = {name: SETTINGS[mode][name] for name in only}
+    results = {"mode": mode, "machine": machine(), "settings": settings, "seconds": {}}
+    together = {n: s for n, s in settings.items() if n in ONE_SPAWN and mode == "quick"}
+    if together:
+        start = time.perf_counter()
+        results.update(run_in_one_spawn(together))
+        results["seconds"]["+".join(together)] = round(time.perf_counter() - start, 1)
     for name in only:
-        settings = SETTINGS[mode][name]
-        results["settings"][name] = settings
-        results[name] = RUNNERS[name](**settings)
+        if name not in results:
+            start = time.perf_counter()
+            results[name] = RUNNERS[name](**settings[name])
+            results["seconds"][name] = round(time.perf_counter() - start, 1)
     return results
 
 

@@ -81,6 +81,34 @@ def _stop_shared() -> None:
         ray.shutdown()
 
 
+#: The layers in the order their modules go to the pytest-xdist workers
+#: (``-n 2 --dist loadfile``): the end-to-end modules (a few tests of minutes
+#: each) first, the unit layer (many modules of seconds) last, so that both
+#: workers end on short modules.
+LAYER_ORDER = ("e2e", "dist", "unit")
+
+
+def pytest_configure(config):
+    """Hand modules to the xdist workers in :data:`LAYER_ORDER`. xdist's
+    default (``--loadscope-reorder``) sorts modules by their number of tests,
+    most first: the one-test end-to-end modules of minutes (elastic, the
+    soak, job submission) went last, one worker running one of them while
+    the other had nothing left to run."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """Items by layer (:data:`LAYER_ORDER`); a layer's modules, and each
+    module's tests, in the order collected."""
+
+    def layer(item) -> int:
+        parts = item.nodeid.split("/")
+        return LAYER_ORDER.index(parts[1]) if parts[1:2] and parts[1] in LAYER_ORDER else 3
+
+    items.sort(key=layer)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Shut the shared cluster down before a test that does not ask for it."""

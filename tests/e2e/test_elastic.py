@@ -6,10 +6,12 @@ tp group per node), side by side in one Ray session, each on its own two
 nodes (a custom resource names them): a node is removed mid-run (the run
 continues at 2 workers from the newest checkpoint: one node, one tp group),
 a node is added (it grows back to 4), and it finishes all steps. Most of a
-run's time is Ray noticing the lost node and restarting the group, so the
-second run costs little beside the first. Then one fixed-size run at 4
-workers and tp 1 with the same global batch and data order is the reference
-of both: final parameters agree to fp32 tolerance, and the window starts
+run's time is starting worker groups (each worker imports torch and the
+trainer) and Ray retrying the old size after a node is lost, so the second
+run costs little beside the first. Once both have lost a node, one
+fixed-size run at 4 workers and tp 1 with the same global batch and data
+order starts on two nodes of its own, beside them; it is the reference of
+both: final parameters agree to fp32 tolerance, and the window starts
 read over each elastic run's surviving trajectory are exactly the first
 ``steps * global`` windows of the epoch, each once (at tp 2 read identically
 by the two ranks of a tp group). A few minutes.
@@ -62,7 +64,8 @@ MESHES = {1: {4: [2, 2], 2: [1, 2]}, 2: {4: [2, 1, 2], 2: [1, 1, 2]}}
 """The mesh at each world size, by tp: HSDP rebuilt from the nodes there are."""
 
 
-def _fit(workers, record_dir: Path, storage: Path, name: str, config=CONFIG, **record) -> dict:
+def _fit(workers, record_dir: Path, storage: Path, name: str, config=CONFIG, nodes=None,
+         **record) -> dict:  # fmt: skip
     record = {"dir": str(record_dir), "global_batch_size": GLOBAL, **record}
     record_dir.mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
@@ -72,7 +75,7 @@ def _fit(workers, record_dir: Path, storage: Path, name: str, config=CONFIG, **r
         scaling_config=ScalingConfig(
             num_workers=workers,
             elastic_resize_monitor_interval_s=2.0,
-            resources_per_worker={"CPU": 1, _nodes_of(config): 1},
+            resources_per_worker={"CPU": 1, nodes or _nodes_of(config): 1},
         ),
         run_config=RunConfig(
             name=name, storage_path=str(storage), failure_config=FailureConfig(max_failures=3)
@@ -85,10 +88,11 @@ def read_records(record_dir: Path) -> list[list[dict]]:
     """Every attempt's micro-batch records (all its ranks), attempts in start order."""
     by_pid: dict[str, list[dict]] = defaultdict(list)
     for path in record_dir.glob("rank*_pid*.jsonl"):
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        text = path.read_text()  # read while ranks write: whole lines only
+        lines = [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
         by_pid[path.stem.split("_")[1]] += lines
     attempts: dict[tuple, list[dict]] = defaultdict(list)
-    for lines in by_pid.values():  # the ranks of one attempt start at one position
+    for lines in filter(None, by_pid.values()):  # the ranks of one attempt start at one position
         first = min(lines, key=lambda r: r["t"])
         attempts[(first["ws"], first["position"])] += lines
     return sorted(attempts.values(), key=lambda rs: min(r["t"] for r in rs))
@@ -114,6 +118,17 @@ def surviving_trajectory(attempts: list[list[dict]]) -> dict[int, list[int]]:
     return steps
 
 
+def timeline(attempts: list[list[dict]]) -> list[tuple]:
+    """(world size, resume step, first and last read in seconds from the
+    first attempt's first read) per attempt: where an elastic run's time goes."""
+    t0 = min(r["t"] for r in attempts[0])
+    return [
+        (a[0]["ws"], min(r["position"] for r in a) // GLOBAL,
+         round(min(r["t"] for r in a) - t0), round(max(r["t"] for r in a) - t0))
+        for a in attempts
+    ]  # fmt: skip
+
+
 def tp_peers_read_alike(attempts: list[list[dict]]) -> bool:
     """Every micro-batch of a dp group was read identically by its tp ranks."""
     reads: dict[tuple, set] = defaultdict(set)
@@ -128,6 +143,14 @@ def _nodes_of(config: dict) -> str:
     return f"tp{config['distributed'].get('tensor_parallel_size', 1)}_node"
 
 
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Start ``fn()`` in a thread; the dict gets its result as ``"out"``."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=fn()), daemon=True)
+    thread.start()
+    return thread, result
+
+
 class ElasticRun:
     """One elastic run at ``config`` on two nodes of its own, in a thread;
     the driver moves it through its node changes with :meth:`advance`
@@ -136,15 +159,14 @@ class ElasticRun:
     and once the group has grown back to 4 the hold is released."""
 
     def __init__(self, cluster: Cluster, record_dir: Path, storage: Path, config: dict) -> None:
-        self.cluster, self.dir, self.config, self.result = cluster, record_dir, config, {}
+        self.cluster, self.dir, self.config = cluster, record_dir, config
         self.nodes = [self._add_node() for _ in range(2)]
         record_dir.mkdir()
         (record_dir / "hold").touch()
         hold = dict(pace_s=0.3, hold_at_world_size=2, hold_after_steps=2)
         fit = lambda: _fit((2, 4), record_dir, storage, record_dir.name, config, **hold)  # noqa: E731
-        self.thread = threading.Thread(target=lambda: self.result.update(out=fit()), daemon=True)
         self.started, self.stage = time.time(), 0
-        self.thread.start()
+        self.thread, self.result = in_thread(fit)
 
     def _add_node(self):
         return self.cluster.add_node(num_cpus=2, resources={_nodes_of(self.config): 2})
@@ -174,6 +196,9 @@ def test_elastic_runs_at_tp_1_and_2_shrink_grow_and_match_a_fixed_size_run(tmp_p
     # nodes' resources are either there or gone, so 15 s is ample. Set before
     # the nodes start: the Train controller reads it from its environment.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    # The controller polls its workers every 2 s by default: each node change
+    # and each finished attempt waits for a poll.
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     ray.init(address=cluster.address, log_to_driver=False)
     try:
@@ -181,17 +206,31 @@ def test_elastic_runs_at_tp_1_and_2_shrink_grow_and_match_a_fixed_size_run(tmp_p
             tp: ElasticRun(cluster, tmp_path / f"elastic_tp{tp}", tmp_path / "runs", config)
             for tp, config in ((1, CONFIG), (2, TP2))
         }
-        deadline = time.time() + 600
+        deadline, fixed = time.time() + 600, None
         while not all([run.advance() for run in runs.values()]):
             assert time.time() < deadline, {tp: run.stage for tp, run in runs.items()}
+            if fixed is None and all(run.stage for run in runs.values()):
+                fixed = start_fixed_run(cluster, tmp_path)
             time.sleep(0.5)
         done = {tp: run.finish() for tp, run in runs.items()}
-        fixed = _fit(4, tmp_path / "fixed", tmp_path / "runs", "fixed")  # on the tp 1 nodes
+        fixed[0].join(timeout=300)
     finally:
         ray.shutdown()
         cluster.shutdown()
+    assert "out" in fixed[1], "the fixed-size run did not finish"
     for tp, (out, seconds) in done.items():
-        check_elastic_run(read_records(tmp_path / f"elastic_tp{tp}"), out, fixed, tp, seconds)
+        check_elastic_run(read_records(tmp_path / f"elastic_tp{tp}"), out, fixed[1]["out"], tp,
+                          seconds)  # fmt: skip
+
+
+def start_fixed_run(cluster: Cluster, tmp_path: Path) -> tuple[threading.Thread, dict]:
+    """The reference: 4 workers at tp 1 on two nodes of its own (the same
+    mesh as the elastic tp 1 run at 4), run while the elastic runs wait for
+    Ray to notice their lost nodes (a thread; see :func:`in_thread`)."""
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, resources={"fixed_node": 2})
+    fit = lambda: _fit(4, tmp_path / "fixed", tmp_path / "runs", "fixed", nodes="fixed_node")  # noqa: E731
+    return in_thread(fit)
 
 
 def check_elastic_run(attempts: list, out: dict, fixed: dict, tp: int, seconds: float) -> None:
@@ -200,8 +239,10 @@ def check_elastic_run(attempts: list, out: dict, fixed: dict, tp: int, seconds: 
     final parameters, loss and schedule those of the fixed-size run."""
     sizes = [a[0]["ws"] for a in attempts]
     resumes = [min(r["position"] for r in a) // GLOBAL for a in attempts]
-    print(f"tp {tp}: elastic run {seconds:.0f} s; attempts (world size, resume step): "
-          f"{list(zip(sizes, resumes, strict=True))}")  # fmt: skip
+    print(
+        f"tp {tp}: elastic run {seconds:.0f} s; attempts (world size, resume step, "
+        f"first and last read, s): {timeline(attempts)}"
+    )
     assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4
     assert {a[0]["ws"]: a[0]["mesh"] for a in attempts} == MESHES[tp]
     assert resumes[0] == 0 and all(0 < r < STEPS for r in resumes[1:])
