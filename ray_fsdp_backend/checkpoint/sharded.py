@@ -45,6 +45,7 @@ from ray_fsdp_backend.checkpoint.layout import (
     extra_state_name,
     newest_complete,
     next_checkpoint_name,
+    per_parameter_groups,
     stale_partials,
 )
 from ray_fsdp_backend.checkpoint.store import (
@@ -279,7 +280,7 @@ def load_sharded(
     reader = dcp_reader(store, name)
     with naming_store(store, name, "reading"):
         metadata = reader.read_metadata()
-        flat = per_parameter_groups(metadata)
+        flat = per_parameter_groups(metadata.state_dict_metadata)
         state = _state_to_load(model, optimizer, flat=flat)
         check_fits(state, metadata, where=store.path(name), others=_other_ranks_keys(state))
         dcp.load(state, storage_reader=reader)
@@ -314,17 +315,6 @@ def _state_options(model: nn.Module, flat: bool) -> StateDictOptions:
 def is_pipeline_stage(model: nn.Module) -> bool:
     """Whether ``model`` is one pipeline stage (``pipeline.split`` cut it)."""
     return getattr(model, "pipeline_plan", None) is not None
-
-
-def per_parameter_groups(metadata: Metadata) -> bool:
-    """Whether a checkpoint keeps the optimizer's param groups per parameter
-    (``optim.param_groups.<fqn>.lr``), as a pipeline run's checkpoints do,
-    rather than as one list (``optim.param_groups.0.params`` and the group's
-    hyperparameters), which DCP stores once, from one rank: the stages of a
-    pipeline hold different parameters, so each writes its own entries."""
-    keys = metadata.state_dict_metadata
-    groups = [k for k in keys if k.startswith("optim.param_groups.")]
-    return bool(groups) and not any(k.endswith(".params") for k in groups)
 
 
 def _state_to_save(model: nn.Module, optimizer, flat: bool | None = None) -> dict[str, Any]:

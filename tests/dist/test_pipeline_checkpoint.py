@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import copy
 import os
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
 from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.pipeline.traffic import padded_numel, stage_volumes
 from tests.dist.harness import run_ranks
-from tests.dist.test_pipeline import MAX_NORM, ROWS, _batch, _logits, _model, _reference
+from tests.dist.test_pipeline import MAX_NORM, ROWS, SEQ, _batch, _logits, _model, _reference
 
 FAMILIES = ("decoder", "llama")
 LAYOUTS = ("pp1_dp4", "pp2_dp2")
@@ -96,8 +99,64 @@ def _family(family: str, root: str) -> dict:
     return out
 
 
+class _CommCounter(TorchDispatchMode):
+    """Bytes of the c10d ops a step dispatches, by kind: what a rank sends
+    point to point, the all-gathers' outputs, the reduce-scatters' inputs
+    (the largest tensor of each op). Observes the dispatcher, as torch's
+    ``CommDebugMode`` does; patches nothing."""
+
+    KINDS = {"send": "sends", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: Counter = Counter()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.ops[func.__name__] += 1
+            sizes = [t.numel() * t.element_size() for t in _tensors(args)]
+            for word, kind in self.KINDS.items():
+                if word in func.__name__ and sizes:
+                    self.bytes[kind] += max(sizes)
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _traffic() -> dict:
+    """One pp 2 x dp 2 step of the decoder counted against the plan's volumes."""
+    full = _model("decoder")
+    dim = full.tok_embeddings.embedding_dim
+    ctx, model, _ = _wrapped(full, 2)
+    rows = ROWS // ctx.dp_size
+    mine = {k: v[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows] for k, v in _batch().items()}
+    ctx.pipeline_step(model, mine)  # the first step also sends shapes
+    counter = _CommCounter()
+    with counter:
+        ctx.pipeline_step(model, mine)
+    numels = [padded_numel(tuple(p.shape), ctx.dp_size) for p in model.parameters()]
+    want = stage_volumes(
+        numels,
+        stage=ctx.pp_rank,
+        stages=ctx.pp_size,
+        activation_values=rows * SEQ * dim,
+        param_bytes=4,
+        reduce_bytes=4,
+        activation_bytes=4,
+    )
+    return {"counted": dict(counter.bytes), "ops": dict(counter.ops), "formula": want}
+
+
 def _checks(rank, world, root):
     results = {family: _family(family, root) for family in FAMILIES}
+    results["traffic"] = _traffic()
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     return gathered
@@ -119,3 +178,15 @@ def test_restored_step_equals_the_uninterrupted_run(results, family, layout):
         for restored, want in pairs:
             for value, expected in zip(restored, want, strict=True):
                 assert abs(value - expected) / expected < 1e-5, (rank, got[layout], want)
+
+
+def test_one_steps_sends_and_collectives_equal_the_plans_volumes(results):
+    for rank, per_rank in enumerate(results):
+        got = per_rank["traffic"]
+        want = got["formula"]
+        counted = {k: got["counted"].get(k, 0) for k in ("sends", "all_gather", "reduce_scatter")}
+        assert counted == {
+            "sends": want.sends,
+            "all_gather": want.all_gather,
+            "reduce_scatter": want.reduce_scatter,
+        }, (rank, got)

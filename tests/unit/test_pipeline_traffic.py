@@ -122,3 +122,13 @@ def test_more_stages_never_move_more_activation_bytes_per_rank(stages):
     plans = plan_stages(80, stages)
     sends = [pipeline_cross_node(c, p, 1).sends for p in plans]
     assert max(sends) <= 2 * (c.rows // (c.world // stages)) * 2048 * 8192 * 2
+
+
+def test_checkpoint_param_groups_format_is_read_from_its_keys():
+    from ray_fsdp_backend.checkpoint.layout import per_parameter_groups
+
+    nested = ["model.w", "optim.state.w.exp_avg", "optim.param_groups.0.lr"]
+    nested.append("optim.param_groups.0.params")
+    assert not per_parameter_groups(nested)
+    assert per_parameter_groups(["optim.param_groups.layers.0.w.lr", "optim.state.w.step"])
+    assert not per_parameter_groups(["model.w"])  # saved without an optimizer
