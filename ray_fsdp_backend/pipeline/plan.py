@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ray_fsdp_backend.memory import format_bytes
+from ray_fsdp_backend.memory import format_bytes, format_count
 from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
 from ray_fsdp_backend.pipeline.traffic import CrossNode, cross_node_bytes, stage_volumes
 
@@ -128,7 +128,7 @@ def format_pipeline_traffic(
         params = stage_params(plan, block, embedding, head)
         flight = in_flight(c.schedule, plan.stage, c.stages, c.microbatches)
         lines.append(
-            f"  stage {plan.stage}: {params / 1e9:.2f}B parameters, "
+            f"  stage {plan.stage}: {format_count(params, 1)} parameters, "
             f"{format_bytes(params * ADAMW_STATE_BYTES // shard)} model state, "
             f"activations of {flight} micro-batch(es) in flight"
         )

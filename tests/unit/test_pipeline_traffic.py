@@ -91,7 +91,7 @@ def test_in_flight_gpipe_keeps_every_micro_batch_1f1b_at_most_the_stages_left():
 def test_format_names_each_stage_and_the_three_layouts():
     lines = format_pipeline_traffic(_cluster(), 80, 855_654_400, 10**9, 10**9)
     text = "\n".join(lines)
-    assert "stage 0: 18.11B parameters" in text and "4 micro-batch(es) in flight" in text
+    assert "stage 0: 18,113.1M parameters" in text and "4 micro-batch(es) in flight" in text
     assert "across nodes per rank per step (4 nodes of 8)" in text
     assert "FSDP over all 32 ranks, no PP" in text and "HSDP (shard in a node)" in text
 
@@ -112,7 +112,7 @@ def test_plan_lines_read_the_spec_and_skip_unequal_nodes():
         axis_names=("pp", "dp_shard"), size=lambda axes: 2, axis_size=lambda axis: 1
     )
     lines = plan_lines(spec, [2, 2], layout)
-    assert "stage 1: 0.00B parameters" in lines[2] and "2 micro-batch(es)" in lines[2]
+    assert "stage 1: 1,808 parameters" in lines[2] and "2 micro-batch(es)" in lines[2]
     assert plan_lines(spec, [3, 1], layout) == []
 
 
