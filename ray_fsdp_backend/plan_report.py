@@ -145,6 +145,9 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
             cfg.pipeline_microbatches,
             layout.groups("pp"),
         )
+        from ray_fsdp_backend.pipeline.plan import plan_lines
+
+        lines += plan_lines(spec, node_counts, layout)
     # FSDP2 shards over dp_shard x cp (the cp ranks hold different tokens).
     shard, tp = layout.size((SHARD_AXIS, CP_AXIS)), layout.axis_size(TP_AXIS)
     if moe is None:

@@ -245,3 +245,14 @@ def _beyond_kept(markers: Mapping[str, str | None], num_to_keep: int | None) -> 
         key=parse_seq,
     )
     return complete[: max(len(complete) - num_to_keep, 0)]
+
+
+def per_parameter_groups(keys: Iterable[str]) -> bool:
+    """Whether a checkpoint (its flattened ``keys``) keeps the optimizer's
+    param groups per parameter (``optim.param_groups.<fqn>.lr``), as a
+    pipeline run's checkpoints do, rather than as one list
+    (``optim.param_groups.0.params`` and the group's hyperparameters), which
+    DCP stores once, from one rank: the stages of a pipeline hold different
+    parameters, so each writes its own entries."""
+    groups = [k for k in keys if k.startswith("optim.param_groups.")]
+    return bool(groups) and not any(k.endswith(".params") for k in groups)

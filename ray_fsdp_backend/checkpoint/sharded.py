@@ -45,6 +45,7 @@ from ray_fsdp_backend.checkpoint.layout import (
     extra_state_name,
     newest_complete,
     next_checkpoint_name,
+    per_parameter_groups,
     stale_partials,
 )
 from ray_fsdp_backend.checkpoint.store import (
@@ -276,14 +277,16 @@ def load_sharded(
             "model's frozen base was initialised at random and never loaded: call "
             "load_pretrained(model, <base checkpoint>) before restoring"
         )
-    state = _state_to_load(model, optimizer)
     reader = dcp_reader(store, name)
     with naming_store(store, name, "reading"):
-        check_fits(state, reader.read_metadata(), where=store.path(name))
+        metadata = reader.read_metadata()
+        flat = per_parameter_groups(metadata.state_dict_metadata)
+        state = _state_to_load(model, optimizer, flat=flat)
+        check_fits(state, metadata, where=store.path(name), others=_other_ranks_keys(state))
         dcp.load(state, storage_reader=reader)
         with agreed(f"reading the extra state of {name}"):  # a torn file fails every rank
             extra, own = _read_extra(store, name, dist.get_rank())
-    _set_state(model, optimizer, state)
+    _set_state(model, optimizer, state, flat=flat)
     if own:
         restore_rng_state(extra["rng"])
         restore_rank_buffers(model, extra.get("buffers", {}))
@@ -298,23 +301,35 @@ def find_latest(store: CheckpointStore) -> str | None:
 # -- model and optimizer state ------------------------------------------
 
 
-def _state_options(model: nn.Module) -> StateDictOptions:
+def _state_options(model: nn.Module, flat: bool) -> StateDictOptions:
     """Frozen parameters (a PEFT base, loaded from its own checkpoint) stay out
-    of checkpoints; keys are checked before a load, so strict is not needed."""
+    of checkpoints; keys are checked before a load, so strict is not needed.
+    ``flat``: the optimizer's param groups per parameter (see
+    :func:`per_parameter_groups`)."""
     frozen = has_frozen_parameters(model)
-    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+    return StateDictOptions(
+        ignore_frozen_params=frozen, strict=not frozen, flatten_optimizer_state_dict=flat
+    )
 
 
-def _state_to_save(model: nn.Module, optimizer) -> dict[str, Any]:
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """Whether ``model`` is one pipeline stage (``pipeline.split`` cut it)."""
+    return getattr(model, "pipeline_plan", None) is not None
+
+
+def _state_to_save(model: nn.Module, optimizer, flat: bool | None = None) -> dict[str, Any]:
+    """Model and optimizer state by parameter name; ``flat`` (default: for a
+    pipeline stage) keeps param groups per parameter."""
+    flat = is_pipeline_stage(model) if flat is None else flat
     optimizers = [optimizer] if optimizer is not None else []
     fresh = optimizer is not None and not optimizer.state
-    model_sd, optim_sd = get_state_dict(model, optimizers, options=_state_options(model))
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=_state_options(model, flat))
     if fresh:
         # get_state_dict initialises a fresh optimizer's state with one lr-0 step
         # on zero gradients (torch 2.13): its moments stay zero but step counts
         # become 1, which would change the next real step's bias correction.
         _reset_step_counts(optimizer.state.values())
-        _reset_step_counts(optim_sd.get("state", {}).values())
+        _reset_step_counts(_optimizer_states(optim_sd))
     return {"model": model_sd, "optim": optim_sd} if optimizers else {"model": model_sd}
 
 
@@ -333,14 +348,24 @@ def _reset_step_counts(states) -> None:
 _state_to_load = _state_to_save
 
 
-def _set_state(model: nn.Module, optimizer, state: dict[str, Any]) -> None:
+def _optimizer_states(optim_sd: Mapping[str, Any]) -> list:
+    """The per-parameter state dicts of ``optim_sd``, nested or flattened
+    (``state.<fqn>.step`` keys: then one-entry dicts that share the tensors)."""
+    if "state" in optim_sd:
+        return list(optim_sd["state"].values())
+    return [
+        {"step": v} for k, v in optim_sd.items() if k.startswith("state.") and k.endswith(".step")
+    ]
+
+
+def _set_state(model: nn.Module, optimizer, state: dict[str, Any], flat: bool) -> None:
     optimizers = [optimizer] if optimizer is not None else []
     set_state_dict(
         model,
         optimizers,
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
-        options=_state_options(model),
+        options=_state_options(model, flat),
     )
 
 
@@ -368,10 +393,23 @@ def stored_shapes(metadata: Metadata) -> dict[str, tuple | None]:
     }
 
 
-def check_fits(state: Mapping[str, Any], metadata: Metadata, *, where: str) -> None:
+def _other_ranks_keys(state: Mapping[str, Any]) -> set[str]:
+    """The flattened keys every other rank loads (collective): pipeline
+    stages each load their own parameters, so a checkpoint key is extra only
+    when no rank loads it."""
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, sorted(flatten_shapes(state)))
+    return {k for part in keys for k in part}
+
+
+def check_fits(
+    state: Mapping[str, Any], metadata: Metadata, *, where: str, others: set[str] = frozenset()
+) -> None:
     """Raise ``CheckpointMismatchError`` naming the keys when ``state`` and the
-    checkpoint differ in keys or tensor shapes (DCP would ignore extra keys)."""
+    checkpoint differ in keys or tensor shapes (DCP would ignore extra keys);
+    keys in ``others`` (what other ranks load) are not extra."""
     mine, theirs = flatten_shapes(state), stored_shapes(metadata)
+    theirs = {k: v for k, v in theirs.items() if k in mine or k not in others}
     mismatch = compute_key_mismatch(mine, theirs, _CHECKED_PREFIXES)
     if mismatch:
         adapters = ""
