@@ -79,22 +79,16 @@ def _model(family: str) -> torch.nn.Module:
     if family == "llama":
         config = tiny_config("llama")
         config.num_hidden_layers = 3
-    else:  # sliding windows shorter than SEQ, so their masks matter
+    else:  # sliding windows (6) shorter than SEQ, so their masks matter
+        from tests.zoo_families import family_config
+
         sliding = {
             "mistral": dict(sliding_window=6),  # every layer
             "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
         }[family]
-        config = tf.AutoConfig.for_model(
-            family,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            **sliding,
+        name = {"qwen2": "qwen2_tied"}.get(family, family)  # the zoo's Qwen2, untied here
+        config = family_config(
+            name, num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=False, **sliding
         )
     return tf.AutoModelForCausalLM.from_config(config)
 
