@@ -85,3 +85,17 @@ def _meta_model(model) -> nn.Module:
     from ray_fsdp_backend.hf.models import build_causal_lm
 
     return build_causal_lm(model.pretrained)
+
+
+def pipeline_flops_per_token(ctx, model: nn.Module, seq_len: int) -> float:
+    """The whole model's FLOPs per token for the step meter: each stage's
+    estimate (its layers, its embedding or head) summed over the pp group,
+    since a token passes every stage."""
+    import torch.distributed as dist
+
+    from ray_fsdp_backend.metrics.reporting import estimate_flops_per_token
+
+    own = estimate_flops_per_token(model, seq_len, ctx.config.fsdp_block_classes)
+    total = torch.tensor(float(own), dtype=torch.float64)
+    dist.all_reduce(total, group=ctx.mesh["pp"].get_group())
+    return float(total)

@@ -54,7 +54,11 @@ from ray_fsdp_backend.trainer.data import (
 from ray_fsdp_backend.trainer.evaluation import evaluate
 from ray_fsdp_backend.trainer.loss import MicroBatchLoss, micro_batch_loss, prepare_loss
 from ray_fsdp_backend.trainer.model import Transformer
-from ray_fsdp_backend.trainer.pipeline import pipeline_loss, pipeline_token_sum
+from ray_fsdp_backend.trainer.pipeline import (
+    pipeline_flops_per_token,
+    pipeline_loss,
+    pipeline_token_sum,
+)
 from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
     build_pretrained,
@@ -183,6 +187,10 @@ def setup_run(
         total_steps=opts.steps,
         start_step=start_step,
         start_tokens=start_step * tokens_per_step,
+        # Under pp a rank holds one stage; MFU counts the whole model's FLOPs.
+        flops_per_token=(
+            pipeline_flops_per_token(ctx, model, spec.model.seq_len) if ctx.pp_size > 1 else None
+        ),
     )
     board = None
     if spec.logging.tensorboard and ctx.world_rank == 0:
