@@ -14,6 +14,7 @@ batch, whose labels hold -100 targets unevenly.
 from __future__ import annotations
 
 import copy
+import traceback
 from pathlib import Path
 
 import pytest
@@ -237,15 +238,28 @@ def _load_and_export(pretrained: str, export: str) -> dict:
     return {"bytes": reader.bytes_read, "names": sorted(n for n, _ in model.named_parameters())}
 
 
-def _checks(rank, world, pretrained, export):
-    results = {name: _run_case(*case) for name, case in CASES.items()}
-    results["load export"] = _load_and_export(pretrained, export)
-    # The trainer: pp 2 x dp 2 (each dp rank 2 rows a micro-batch) against pp 1
-    # x dp 4 (1 row): the same global rows, so the same losses.
-    results["trainer"] = {
+def _caught(fn, *args):
+    """``fn(*args)``, or its traceback: a case that raises on every rank (the
+    usual way) fails its own test, and the spawn goes on to the next case."""
+    try:
+        return fn(*args)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def _trainer_runs() -> dict:
+    # pp 2 x dp 2 (each dp rank 2 rows a micro-batch) against pp 1 x dp 4 (1
+    # row): the same global rows, so the same losses.
+    return {
         "pp2": _train(dict(pipeline_parallel_size=2, pipeline_microbatches=2), 2),
         "pp1": _train({}, 1),
     }
+
+
+def _checks(rank, world, pretrained, export):
+    results = {name: _caught(_run_case, *case) for name, case in CASES.items()}
+    results["load export"] = _caught(_load_and_export, pretrained, export)
+    results["trainer"] = _caught(_trainer_runs)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     return gathered
@@ -266,6 +280,7 @@ def results(checkpoint):
 def test_pipeline_steps_equal_one_process(results, case):
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
+        assert "error" not in got, got.get("error")
         assert max(got["errors"]) < 1e-5, (rank, got["errors"])
         # AdamW divides by the gradients' root mean square: float noise of 1e-7
         # in a tiny gradient moves a weight by ~1e-5 over 3 steps of lr 1e-2.
@@ -276,6 +291,7 @@ def test_pipeline_steps_equal_one_process(results, case):
 def test_each_rank_holds_only_its_stage_under_original_names(results, case):
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
+        assert "error" not in got, got.get("error")
         assert got["names_ok"], rank
         assert 0 < got["held"] < got["all"], (rank, got["held"], got["all"])
 
@@ -284,6 +300,7 @@ def test_trainer_loop_under_pipeline_equals_pp1(results):
     """``ray-fsdp train``'s loop at pp 2 x dp 2 (packed rows: their
     position_ids through both stages) logs pp 1 x dp 4's losses and norms."""
     for rank, per_rank in enumerate(results):
+        assert "error" not in per_rank["trainer"], per_rank["trainer"]["error"]
         got, ref = per_rank["trainer"]["pp2"], per_rank["trainer"]["pp1"]
         for key in ("loss", "grad_norm"):
             assert len(got[key]) == len(ref[key]) == 3, (rank, key)
@@ -309,6 +326,7 @@ def test_each_stage_reads_only_its_tensors_and_the_export_is_whole(results, chec
     by_stage: dict[tuple, int] = {}
     for per_rank in results:
         got = per_rank["load export"]
+        assert "error" not in got, got["error"]
         stage_bytes = sum(sizes[n] for n in got["names"])
         assert 0 < got["bytes"] <= stage_bytes < sum(sizes.values()), got
         by_stage[tuple(got["names"])] = by_stage.get(tuple(got["names"]), 0) + got["bytes"]
