@@ -91,7 +91,11 @@ def _model(family: str) -> torch.nn.Module:
         config = family_config(
             name, num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=False, **sliding
         )
-    return tf.AutoModelForCausalLM.from_config(config)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    # Without a cache transformers' mask builders split packed rows into their
+    # documents (position_ids restarting), as the stages do.
+    model.config.use_cache = False
+    return model
 
 
 def _batch(packed: bool = False) -> dict[str, torch.Tensor]:
@@ -200,7 +204,7 @@ def _run_case(
     # Forward only through the stages (pipeline_eval): the token sum on every rank.
     held_out = pipeline_eval(ctx, model, mine)
     dist.all_reduce(held_out)
-    held_out = float(held_out) / ctx.pp_size
+    held_out = float(held_out) * ctx.dp_size / dist.get_world_size()  # one copy per dp rank
     errors.append(abs(held_out - ref_held_out) / ref_held_out)
     params = 0.0
     for name, p in model.named_parameters():
