@@ -20,13 +20,13 @@ from collections.abc import Callable
 
 import pyarrow.fs as pafs
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ray_fsdp_backend.collectives import agreed, broadcast_from_rank0
 from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.experts import split_experts
+from ray_fsdp_backend.hf.holders import gather_holders, plan_group_files
 from ray_fsdp_backend.hf.keys import export_keys
 from ray_fsdp_backend.hf.load import loaded_from
 from ray_fsdp_backend.hf.peft_export import export_peft, merge_adapters
@@ -44,7 +44,6 @@ from ray_fsdp_backend.hf.writer import (
     export_dtype,
     file_header,
     parse_size,
-    plan_export,
     tag_names,
     write_bytes,
     write_files,
@@ -151,8 +150,9 @@ def export_hf(
     uri = uri or root
     inner = unwrap(model)
     with agreed(f"preparing the export to {uri!r}"):
-        state = _export_state(model, inner)
-        files = _plan(state, dtype, parse_size(max_shard_size))
+        # Pipeline stages hold different keys: each group of ranks writes its own.
+        state, groups = gather_holders(_export_state(model, inner))
+        files = plan_group_files(_sizes(state, dtype), groups, parse_size(max_shard_size))
     files = _fresh_names(fs, root, files)
     with agreed(f"creating {uri!r}"):
         fs.create_dir(root, recursive=True)  # on object storage: a no-op or a marker
@@ -221,12 +221,6 @@ EXPORTERS: dict[str, Exporter] = {
 def _sizes(state: dict, dtype: torch.dtype) -> dict[str, int]:
     """Key -> bytes as exported."""
     return {k: v.numel() * export_dtype(v, dtype).itemsize for k, v in state.items()}
-
-
-def _plan(state: dict, dtype: torch.dtype, max_bytes: int) -> list[FilePlan]:
-    sizes = _sizes(state, dtype)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return plan_export(sizes, max_bytes, world)
 
 
 def _expected(state: dict, files: list[FilePlan], dtype: torch.dtype) -> dict[str, tuple[int, int]]:

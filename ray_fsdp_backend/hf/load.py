@@ -88,7 +88,9 @@ def load_pretrained(
     keep PEFT's initialisation), a PEFT adapter directory
     (``adapter_config.json``) fills the adapters (see :mod:`.peft`). Rank 0
     reads the files' headers and broadcasts them; each rank then reads its
-    own byte ranges, concurrently. ``quantize="nf4"`` (QLoRA; needs
+    own byte ranges, concurrently; a pipeline stage (``ctx.wrap`` under
+    ``pipeline_parallel_size > 1``) only its own stage's tensors, the other
+    stages' checkpoint keys left to them. ``quantize="nf4"`` (QLoRA; needs
     ``torchao``) then turns every frozen ``nn.Linear`` weight but the output
     head into 4-bit NF4, each rank its own shard (:mod:`ray_fsdp_backend.quantization`,
     docs/lora.md). Create the optimizer afterwards.
@@ -121,6 +123,10 @@ def load_pretrained(
         if name is not None:
             mapped[name] = entry
     entries = fuse_experts(mapped, shapes)
+    if getattr(inner, "pipeline_plan", None) is not None:
+        # A pipeline stage (pipeline/split.py keeps the original names): the
+        # other stages' tensors are theirs, neither read nor "unexpected" here.
+        entries = {k: e for k, e in entries.items() if k in state}
     to_load = check_fits(state, params, entries, where=os.fspath(path), rules=rules)
     for key in to_load:
         try:

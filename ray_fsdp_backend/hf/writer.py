@@ -152,7 +152,10 @@ def write_files(
                     out.write(file_header(state, plan, dtype))
             for key in plan.keys:
                 with agreed(f"writing {path} (tensor {key!r})"):
-                    full = full_tensor(state[key].detach())  # the step's one collective
+                    # The step's one collective, over the ranks that hold the tensor
+                    # (a meta tensor: another pipeline stage's, see hf/holders.py).
+                    tensor = state[key]
+                    full = None if tensor.is_meta else full_tensor(tensor.detach())
                     if out is not None:
                         data = full.to("cpu", export_dtype(full, dtype)).contiguous()
                         out.write(data.reshape(-1).view(torch.uint8).numpy())

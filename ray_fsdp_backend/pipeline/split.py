@@ -20,9 +20,11 @@ from torch import nn
 
 from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
 
-HF_FAMILIES = ("llama", "qwen3")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """transformers ``model_type`` values whose decoder forward is embed, rotary,
-causal mask, layers, norm, head (no embedding scale, no sliding window)."""
+causal (or sliding-window: Mistral's ``sliding_window``, Qwen2/3's
+``layer_types``) mask, layers, norm, head. Gemma (embedding scale, tied
+embeddings) and mixture-of-experts families are refused."""
 
 
 class StageLayers(nn.ModuleList):
@@ -106,35 +108,61 @@ def _refuse_tied(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
         )
 
 
-def _builtin_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A built-in decoder stage: ids (first stage) or hidden states in."""
+def _builtin_forward(
+    self, x: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A built-in decoder stage: ids (first stage) or hidden states in;
+    ``position_ids`` (every stage gets the micro-batch's: packed rows restart
+    them per document, and attention then stays inside each document)."""
     from ray_fsdp_backend.trainer.model import rotary_angles
 
     if self.tok_embeddings is not None:
         x = self.tok_embeddings(x)
-    rope = rotary_angles(self.rope_cos, self.rope_sin, x.shape[1], None)
+    rope = rotary_angles(self.rope_cos, self.rope_sin, x.shape[1], position_ids)
     for block in self.layers:
-        x = block(x, rope, None)
+        x = block(x, rope, position_ids)
     if self.output is not None:
         x = self.output(self.norm(x))
     return x
 
 
-def _hf_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A transformers decoder stage, as its ``model.forward`` without a cache."""
-    from ray_fsdp_backend.hf.compat import create_causal_mask
-
+def _hf_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A transformers decoder stage, as its ``model.forward`` without a cache:
+    ``position_ids`` (default ``0 .. S-1``; packed rows restart them) give
+    the rotary angles and, through transformers' mask builders, the
+    document-boundary (and sliding-window) masks, per layer type."""
     inner = self.model
     if inner.embed_tokens is not None:
         x = inner.embed_tokens(x)
-    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-    mask = create_causal_mask(self.config, x, position_ids=positions)
+    positions = position_ids
+    if positions is None:
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    types = {name: _layer_type(self.config, int(name)) for name in inner.layers._modules}
+    masks = {kind: _mask(self.config, kind, x, positions) for kind in set(types.values())}
     rope = inner.rotary_emb(x, position_ids=positions)
-    for layer in inner.layers:
-        x = layer(x, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+    for name, layer in inner.layers._modules.items():
+        x = layer(
+            x, attention_mask=masks[types[name]], position_embeddings=rope, position_ids=positions
+        )
     if self.lm_head is not None:
         x = self.lm_head(inner.norm(x))
     return x
+
+
+def _layer_type(config, index: int) -> str:
+    """Layer ``index``'s attention: ``config.layer_types`` (Qwen2/3), else
+    sliding when ``config.sliding_window`` is set (Mistral), else full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def _mask(config, kind: str, x: torch.Tensor, positions: torch.Tensor):
+    from ray_fsdp_backend.hf.compat import create_causal_mask, create_sliding_window_causal_mask
+
+    build = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+    return build(config, x, position_ids=positions)
 
 
 __all__ = ["HF_FAMILIES", "StageLayers", "StagePlan", "split_for_stage"]

@@ -56,31 +56,70 @@ def pipeline_step(
     ctx, model: nn.Module, batch: dict[str, torch.Tensor], loss_fn: LossFn | None
 ) -> torch.Tensor:
     """Run forward and backward of ``batch`` (``input_ids`` and ``labels``
-    aligned as transformers takes them, ``[rows, seq]``: this dp rank's rows
-    of the step; every stage of a pipeline passes the same) through ``model``
-    (a stage :meth:`TrainContext.wrap` cut and sharded). Returns the step's
-    loss on every rank: the sum over micro-batches of ``loss_fn(logits,
+    aligned as transformers takes them, or ``targets`` already shifted,
+    ``[rows, seq]``: this dp rank's rows of the step; every stage of a
+    pipeline passes the same; optional ``position_ids``, which every stage
+    receives for its micro-batch: packed rows' document positions) through
+    ``model`` (a stage :meth:`TrainContext.wrap` cut and sharded). Returns the
+    step's loss on every rank: the sum over micro-batches of ``loss_fn(logits,
     shifted_labels)`` (a token sum; default: cross-entropy summed) over
     ``ctx.global_token_count``, from the last stage. Gradients accumulate on
     the stage's parameters; no other gradient sync is needed."""
-    if "input_ids" not in batch or "labels" not in batch:
-        raise ValueError(f"pipeline_step needs input_ids and labels, got {sorted(batch)}")
+    pipe, ids, targets, kwargs = _prepare(ctx, model, batch, loss_fn)
+    pipe.divisor = ctx.global_token_count(targets).to(ctx.device)
+    return _run(ctx, pipe, pipe.schedule.step, ids, targets, kwargs)
+
+
+def pipeline_eval(
+    ctx, model: nn.Module, batch: dict[str, torch.Tensor], loss_fn: LossFn | None = None
+) -> torch.Tensor:
+    """Forward only (the schedule's ``eval``): the token sum of ``loss_fn``
+    over ``batch`` (as :func:`pipeline_step` takes it), on every rank of the
+    pipeline; no gradients, no division."""
+    pipe, ids, targets, kwargs = _prepare(ctx, model, batch, loss_fn)
+    pipe.divisor = torch.ones((), device=ctx.device)
+    with torch.no_grad():
+        return _run(ctx, pipe, pipe.schedule.eval, ids, targets, kwargs)
+
+
+def _prepare(ctx, model, batch, loss_fn):
+    """The stage's pipeline (built once per micro-batch count), the ids, the
+    shifted targets and the keyword inputs every stage takes."""
+    if "input_ids" not in batch or not {"labels", "targets"} & set(batch):
+        raise ValueError(
+            f"pipeline_step needs input_ids and labels (or shifted targets), got {sorted(batch)}"
+        )
     rows = batch["input_ids"].shape[0]
     micro = resolve_microbatches(ctx.config.pipeline_microbatches, ctx.pp_size, rows)
-    pipe = getattr(model, "_rfb_pipeline", None)
-    if pipe is None or pipe.micro != micro:
-        pipe = _Pipeline(ctx, model, micro)
-        model._rfb_pipeline = pipe
-    labels = ctx.shard_sequence({"labels": batch["labels"]})["labels"].to(ctx.device)
-    pipe.divisor = ctx.global_token_count(labels).to(ctx.device)
+    # One stage and schedule per micro-batch shape (training and evaluation
+    # batches differ): a stage's receive buffers keep the shape it first saw.
+    pipes = model.__dict__.setdefault("_rfb_pipelines", {})
+    shape = (micro, *batch["input_ids"].shape)
+    pipe = pipes.get(shape)
+    if pipe is None:
+        pipe = pipes[shape] = _Pipeline(ctx, model, micro)
+    if "targets" in batch:
+        targets = batch["targets"].to(ctx.device)
+    else:
+        targets = ctx.shard_sequence({"labels": batch["labels"]})["labels"].to(ctx.device)
     pipe.loss_fn = loss_fn or token_sum_cross_entropy
+    kwargs = {}
+    if batch.get("position_ids") is not None:
+        positions = batch["position_ids"].expand(rows, -1)
+        kwargs["position_ids"] = positions.to(ctx.device)
+    return pipe, batch["input_ids"].to(ctx.device), targets, kwargs
+
+
+def _run(ctx, pipe: _Pipeline, run, ids, targets, kwargs) -> torch.Tensor:
+    """``run`` (the schedule's step or eval) on this stage; the summed
+    micro-batch losses broadcast from the last stage."""
     losses: list[torch.Tensor] = []
     if ctx.pp_rank == 0:
-        pipe.schedule.step(batch["input_ids"].to(ctx.device))
+        run(ids, **kwargs)
     elif ctx.pp_rank == pipe.last:
-        pipe.schedule.step(target=labels, losses=losses)
+        run(target=targets, losses=losses, **kwargs)
     else:
-        pipe.schedule.step()
+        run(**kwargs)
     loss = torch.zeros((), dtype=torch.float32, device=ctx.device)
     if losses:
         loss = torch.stack([part.detach().float() for part in losses]).sum()

@@ -271,6 +271,35 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _normal(module: nn.Module | None, std: float, shape, device) -> None:
+    """``normal_`` on ``module.weight``; a throwaway tensor of ``shape`` when
+    the module is absent or on meta (another pipeline stage's), so the
+    random stream advances as in the whole model."""
+    if module is None or module.weight.is_meta:
+        torch.empty(shape, device=device).normal_(std=std)
+    else:
+        nn.init.normal_(module.weight, std=std)
+
+
+def _init_block(block: Block, residual_std: float, device) -> None:
+    """A block's initialisation (a meta block: its draws only)."""
+    std = 0.02
+    if not block.attention_norm.weight.is_meta:
+        block.attention_norm.init_weights()
+        block.ffn_norm.init_weights()
+    attention, ffn = block.attention, block.feed_forward
+    for linear, scale in (
+        (attention.wq, std),
+        (attention.wk, std),
+        (attention.wv, std),
+        (ffn.w1, std),
+        (ffn.w3, std),
+        (attention.wo, residual_std),
+        (ffn.w2, residual_std),
+    ):
+        _normal(linear, scale, tuple(linear.weight.shape), device)
+
+
 class Transformer(nn.Module):
     """Decoder-only language model: ``forward(tokens) -> logits``, ``loss(tokens, targets)``."""
 
@@ -327,20 +356,21 @@ class Transformer(nn.Module):
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        std, residual_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        std = 0.02
+        # A pipeline stage (pipeline/split.py) lacks some modules: their draws
+        # go to throwaway tensors, so every stage gets one process's weights.
+        _normal(self.tok_embeddings, std, (self.cfg.vocab_size, self.cfg.dim), device)
         if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
-        self.norm.init_weights()
-        for block in self.layers:
-            block.attention_norm.init_weights()
-            block.ffn_norm.init_weights()
-            for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
-                nn.init.normal_(linear.weight, std=std)
-            nn.init.normal_(block.feed_forward.w1.weight, std=std)
-            nn.init.normal_(block.feed_forward.w3.weight, std=std)
-            nn.init.normal_(block.attention.wo.weight, std=residual_std)
-            nn.init.normal_(block.feed_forward.w2.weight, std=residual_std)
+            _normal(self.output, std, (self.cfg.vocab_size, self.cfg.dim), device)
+        if self.norm is not None:
+            self.norm.init_weights()
+        held = dict(self.layers.named_children())
+        for index in range(self.cfg.n_layers):
+            block = held.get(str(index))
+            if block is None:
+                with torch.device("meta"):
+                    block = Block(self.cfg)
+            _init_block(block, std / math.sqrt(2 * self.cfg.n_layers), device)
 
     def forward(
         self,

@@ -30,6 +30,7 @@ from ray_fsdp_backend.config import parse_yaml, unknown_key_message
 from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
 from ray_fsdp_backend.loss import DEFAULT_CHUNK_TOKENS
 from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.trainer.pipeline import pipeline_errors
 from ray_fsdp_backend.trainer.preflight import storage_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
 
@@ -447,12 +448,7 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         train, built.get("scaling"), group
     )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
-    if dist is not None and dist.pipeline_parallel_size > 1:
-        errors.append(
-            f"distributed: pipeline_parallel_size={dist.pipeline_parallel_size}: ray-fsdp train "
-            "does not run pipeline stages yet; a train_fn of your own runs them with "
-            "ctx.pipeline_step (docs/parallelism.md, 'Pipeline parallelism')"
-        )
+    errors += pipeline_errors(dist, model, train, data)
     errors += tensor_parallel_errors(dist, model)
     errors += qlora_errors(dist, model)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
@@ -651,7 +647,7 @@ def _group_errors(dist, scaling: ScalingOptions | None) -> list[str]:
 
 
 def model_group(dist) -> int:
-    """Ranks of one model-parallel (tp x cp) group; 1 without the section."""
+    """Ranks of one model-parallel (tp x cp x pp) group; 1 without the section."""
     if dist is None:
         return 1
-    return dist.tensor_parallel_size * dist.context_parallel_size
+    return dist.tensor_parallel_size * dist.context_parallel_size * dist.pipeline_parallel_size

@@ -54,6 +54,11 @@ from ray_fsdp_backend.trainer.data import (
 from ray_fsdp_backend.trainer.evaluation import evaluate
 from ray_fsdp_backend.trainer.loss import MicroBatchLoss, micro_batch_loss, prepare_loss
 from ray_fsdp_backend.trainer.model import Transformer
+from ray_fsdp_backend.trainer.pipeline import (
+    pipeline_flops_per_token,
+    pipeline_loss,
+    pipeline_token_sum,
+)
 from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
     build_pretrained,
@@ -182,6 +187,10 @@ def setup_run(
         total_steps=opts.steps,
         start_step=start_step,
         start_tokens=start_step * tokens_per_step,
+        # Under pp a rank holds one stage; MFU counts the whole model's FLOPs.
+        flops_per_token=(
+            pipeline_flops_per_token(ctx, model, spec.model.seq_len) if ctx.pp_size > 1 else None
+        ),
     )
     board = None
     if spec.logging.tensorboard and ctx.world_rank == 0:
@@ -199,7 +208,8 @@ def setup_run(
         board=board,
         router=ctx.router_stats(model),
         held_out=ray.train.get_dataset_shard(EVAL_DATASET) if spec.data.has_eval else None,
-        loss_head=prepare_loss(model, opts.loss_chunk_tokens),
+        # Under pp the last stage's output is the logits (trainer/pipeline.py).
+        loss_head=None if ctx.pp_size > 1 else prepare_loss(model, opts.loss_chunk_tokens),
     )
 
 
@@ -221,6 +231,9 @@ def held_out_loss(ctx, model: nn.Module, spec: RunSpec, dataset, head=...) -> fl
 
     def sums(rows):
         batch = ctx.shard_sequence(as_batch(rows, ctx.device))
+        if ctx.pp_size > 1:  # forward only through the stages, the sum on every rank
+            token_sum = pipeline_token_sum(ctx, model, batch, spec.data.packing)
+            return token_sum, count_valid_tokens(batch["targets"])
         with ctx.sequence_region(), ctx.loss_parallel():
             token_sum, _ = batch_loss(ctx, model, batch, spec, head)
         return local_value(token_sum), count_valid_tokens(batch["targets"])
@@ -321,19 +334,38 @@ def train_step(
     token of the step whatever the layout, and an elastic resize that
     changes ``grad_accum`` does not change the weighting. ``head``: the
     loss's output head (:func:`~ray_fsdp_backend.trainer.loss.prepare_loss`;
-    resolved from the model when not given)."""
-    accum = spec.train.grad_accum
-    if head is ...:
+    resolved from the model when not given). With ``pipeline_parallel_size
+    > 1`` the micro-batches go through ``ctx.pipeline_step`` as one batch
+    (:mod:`~ray_fsdp_backend.trainer.pipeline`)."""
+    if ctx.pp_size == 1 and head is ...:
         head = prepare_loss(model, spec.train.loss_chunk_tokens)
     micro_batches = [
-        ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device)) for _ in range(accum)
+        ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device))
+        for _ in range(spec.train.grad_accum)
     ]
+    if meter is not None and ctx.tp_rank == 0 and ctx.pp_rank == 0:
+        # a tp group (and a pipeline) trains one copy of the rows
+        meter.count_tokens(sum(batch["input_ids"].numel() for batch in micro_batches))
+    if ctx.pp_size > 1:
+        total, aux_total = pipeline_loss(ctx, model, micro_batches, spec.data.packing), None
+    else:
+        total, aux_total = accumulate(ctx, model, micro_batches, spec, head)
+    # max_grad_norm 0 (or null): no clipping, the norm is still measured.
+    grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
+    # Every rank sees the same global norm, so all skip together.
+    skipped = step_if_finite(optimizer, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(total, grad_norm, skipped, aux_total)
+
+
+def accumulate(ctx, model: nn.Module, micro_batches: list[dict], spec: RunSpec, head):
+    """Forward and backward of each micro-batch (gradients synced on the
+    last only); returns the step's loss share and mean aux loss (or None)."""
+    accum = len(micro_batches)
     count = ctx.global_token_count([batch["targets"] for batch in micro_batches])
     total = torch.zeros((), device=ctx.device)
     aux_total = None
     for micro, batch in enumerate(micro_batches):
-        if meter is not None and ctx.tp_rank == 0:  # a tp group trains one copy of the rows
-            meter.count_tokens(batch["input_ids"].numel())
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.sequence_region(), ctx.loss_parallel():
@@ -343,12 +375,7 @@ def train_step(
         total += local_value(loss.detach())
         if aux is not None:
             aux_total = aux.detach() / accum + (0 if aux_total is None else aux_total)
-    # max_grad_norm 0 (or null): no clipping, the norm is still measured.
-    grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
-    # Every rank sees the same global norm, so all skip together.
-    skipped = step_if_finite(optimizer, grad_norm)
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, grad_norm, skipped, aux_total)
+    return total, aux_total
 
 
 def batch_loss(ctx, model: nn.Module, batch: dict, spec: RunSpec, head=...) -> MicroBatchLoss:

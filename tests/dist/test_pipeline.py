@@ -14,6 +14,8 @@ batch, whose labels hold -100 targets unevenly.
 from __future__ import annotations
 
 import copy
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,17 +27,38 @@ from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.sequence import shift_labels
 from ray_fsdp_backend.pipeline import plan_stages
+from ray_fsdp_backend.pipeline.step import pipeline_eval
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.trainer.spec import load_spec
+from ray_fsdp_backend.trainer.train import run_training
 from tests.dist.harness import run_ranks
-from tests.hf_models import VOCAB, tiny_config
+from tests.hf_models import VOCAB, save_tiny_pretrained, tiny_config
 
 SEQ, ROWS, STEPS, MAX_NORM = 16, 8, 3, 0.5
+CPU_TINY = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
+TRAIN_OVERRIDES = [
+    "model.dim=32",
+    "model.n_layers=3",
+    "model.n_heads=4",
+    "model.seq_len=64",
+    "model.tie_embeddings=false",
+    "train.steps=3",
+    "train.grad_accum=2",
+    "train.log_every=1",
+    "train.warmup_steps=1",
+    "data.packing=true",
+]
 CASES = {
     "llama 1f1b": ("llama", "1f1b", 2),
     "llama gpipe": ("llama", "gpipe", 4),
     "decoder 1f1b": ("decoder", "1f1b", 4),
     "decoder gpipe": ("decoder", "gpipe", 2),
     "decoder 1f1b tp2": ("decoder", "1f1b", 2, {"tensor_parallel_size": 2}),
+    # Packed rows: position_ids restart per document, reaching every stage.
+    "llama packed 1f1b": ("llama", "1f1b", 2, {}, True),
+    "decoder packed gpipe": ("decoder", "gpipe", 2, {}, True),
+    "qwen2 1f1b": ("qwen2", "1f1b", 2),
+    "mistral packed 1f1b": ("mistral", "1f1b", 2, {}, True),
 }
 
 
@@ -54,40 +77,74 @@ def _model(family: str) -> torch.nn.Module:
         return Transformer(cfg)
     import transformers as tf
 
-    config = tiny_config("llama")
-    config.num_hidden_layers = 3
-    return tf.LlamaForCausalLM(config)
+    if family == "llama":
+        config = tiny_config("llama")
+        config.num_hidden_layers = 3
+    else:  # sliding windows (6) shorter than SEQ, so their masks matter
+        from tests.zoo_families import family_config
+
+        sliding = {
+            "mistral": dict(sliding_window=6),  # every layer
+            "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        }[family]
+        name = {"qwen2": "qwen2_tied"}.get(family, family)  # the zoo's Qwen2, untied here
+        config = family_config(
+            name, num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=False, **sliding
+        )
+    model = tf.AutoModelForCausalLM.from_config(config)
+    # Without a cache transformers' mask builders split packed rows into their
+    # documents (position_ids restarting), as the stages do.
+    model.config.use_cache = False
+    return model
 
 
-def _batch() -> dict[str, torch.Tensor]:
-    """ROWS rows; row i ignores its first 3i targets mod SEQ+2 (row 6: none valid)."""
+def _batch(packed: bool = False) -> dict[str, torch.Tensor]:
+    """ROWS rows; row i ignores its first 3i targets mod SEQ+2 (row 6: none
+    valid). ``packed``: each row holds documents restarting at positions
+    (row i: at 5 + i % 3 and 11), the position_ids every stage gets."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
     labels = ids.clone()
     for i in range(ROWS):
         labels[i, : (3 * i) % (SEQ + 2)] = -100
-    return {"input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids, "labels": labels}
+    if packed:
+        positions = torch.arange(SEQ).repeat(ROWS, 1)
+        for i in range(ROWS):
+            for start in (5 + i % 3, 11):
+                positions[i, start:] -= positions[i, start].clone()
+        batch["position_ids"] = positions
+    return batch
 
 
-def _logits(model, ids):
-    out = model(ids)
+def _logits(model, ids, positions=None):
+    out = model(ids, position_ids=positions)
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def _reference(model) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def _reference(model, packed=False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch: the mean over every valid target."""
-    batch, opt = _batch(), torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch, opt = _batch(packed), torch.optim.AdamW(model.parameters(), lr=1e-2)
     labels = shift_labels(batch["labels"])
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
-        logits = _logits(model, batch["input_ids"])
+        logits = _logits(model, batch["input_ids"], batch.get("position_ids"))
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         losses.append(float(loss.detach()))
         opt.step()
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _held_out(model, packed: bool) -> float:
+    """The token sum of the loss of ``model`` on the batch, forward only."""
+    batch = _batch(packed)
+    with torch.no_grad():
+        logits = _logits(model, batch["input_ids"], batch.get("position_ids"))
+        labels = shift_labels(batch["labels"]).flatten()
+        return float(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"))
 
 
 def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
@@ -111,9 +168,13 @@ def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
     return names
 
 
-def _run_case(family: str, schedule: str, micro: int, extra: dict | None = None) -> dict:
+def _run_case(
+    family: str, schedule: str, micro: int, extra: dict | None = None, packed: bool = False
+) -> dict:
     full = _model(family)
-    ref_losses, ref_norms, ref_params = _reference(copy.deepcopy(full))
+    trained = copy.deepcopy(full)
+    ref_losses, ref_norms, ref_params = _reference(trained, packed)
+    ref_held_out = _held_out(trained, packed)
     settings = FSDPSettings(
         use_fsdp=True,
         use_mixed_precision=False,
@@ -127,7 +188,7 @@ def _run_case(family: str, schedule: str, micro: int, extra: dict | None = None)
     names = {n for n, _ in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = ROWS // ctx.dp_size
-    mine = {k: v[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows] for k, v in _batch().items()}
+    mine = {k: v[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows] for k, v in _batch(packed).items()}
     errors = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -140,6 +201,11 @@ def _run_case(family: str, schedule: str, micro: int, extra: dict | None = None)
         mean = float(mean) / dist.get_world_size()
         errors.append(abs(mean - ref_losses[step]) / ref_losses[step])
         errors.append(abs(float(norm) - ref_norms[step]) / ref_norms[step])
+    # Forward only through the stages (pipeline_eval): the token sum on every rank.
+    held_out = pipeline_eval(ctx, model, mine)
+    dist.all_reduce(held_out)
+    held_out = float(held_out) * ctx.dp_size / dist.get_world_size()  # one copy per dp rank
+    errors.append(abs(held_out - ref_held_out) / ref_held_out)
     params = 0.0
     for name, p in model.named_parameters():
         whole = p.full_tensor() if isinstance(p, DTensor) else p
@@ -153,22 +219,72 @@ def _run_case(family: str, schedule: str, micro: int, extra: dict | None = None)
     }
 
 
-def _checks(rank, world):
-    results = {name: _run_case(*case) for name, case in CASES.items()}
+def _train(extra: dict, micro: int) -> dict[str, list[float]]:
+    """``run_training`` (the trainer's loop) on examples/cpu_tiny.yaml made
+    tiny, with packed rows and 2 accumulated micro-batches of ``micro`` rows
+    per dp rank; the logged loss and grad norm of each step."""
+    settings = FSDPSettings(use_fsdp=True, use_mixed_precision=False, **extra)
+    ctx = setup_process_context(settings, torch.device("cpu"))
+    spec = load_spec(CPU_TINY, [*TRAIN_OVERRIDES, f"train.micro_batch_size={micro}"])
+    history = run_training(ctx, spec, report=lambda metrics: None, resume=False)
+    return {key: [m[key] for m in history] for key in ("loss", "grad_norm")}
+
+
+def _load_and_export(pretrained: str, export: str) -> dict:
+    """A tiny Llama checkpoint loaded into pp 2 x dp 2 stages, then exported."""
+    from ray_fsdp_backend.hf.models import build_causal_lm
+
+    settings = FSDPSettings(use_fsdp=True, use_mixed_precision=False, pipeline_parallel_size=2)
+    ctx = setup_process_context(settings, torch.device("cpu"))
+    model = ctx.wrap(build_causal_lm(pretrained))
+    reader = ctx.load_pretrained(model, pretrained)
+    ctx.export_model(model, export)
+    return {"bytes": reader.bytes_read, "names": sorted(n for n, _ in model.named_parameters())}
+
+
+def _caught(fn, *args):
+    """``fn(*args)``, or its traceback: a case that raises on every rank (the
+    usual way) fails its own test, and the spawn goes on to the next case."""
+    try:
+        return fn(*args)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def _trainer_runs() -> dict:
+    # pp 2 x dp 2 (each dp rank 2 rows a micro-batch) against pp 1 x dp 4 (1
+    # row): the same global rows, so the same losses.
+    return {
+        "pp2": _train(dict(pipeline_parallel_size=2, pipeline_microbatches=2), 2),
+        "pp1": _train({}, 1),
+    }
+
+
+def _checks(rank, world, pretrained, export):
+    results = {name: _caught(_run_case, *case) for name, case in CASES.items()}
+    results["load export"] = _caught(_load_and_export, pretrained, export)
+    results["trainer"] = _caught(_trainer_runs)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     return gathered
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_checks, 4)
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    return save_tiny_pretrained("llama", root / "pretrained"), str(root / "export")
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint):
+    return run_ranks(_checks, 4, *checkpoint)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_steps_equal_one_process(results, case):
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
+        assert "error" not in got, got.get("error")
         assert max(got["errors"]) < 1e-5, (rank, got["errors"])
         # AdamW divides by the gradients' root mean square: float noise of 1e-7
         # in a tiny gradient moves a weight by ~1e-5 over 3 steps of lr 1e-2.
@@ -179,5 +295,49 @@ def test_pipeline_steps_equal_one_process(results, case):
 def test_each_rank_holds_only_its_stage_under_original_names(results, case):
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
+        assert "error" not in got, got.get("error")
         assert got["names_ok"], rank
         assert 0 < got["held"] < got["all"], (rank, got["held"], got["all"])
+
+
+def test_trainer_loop_under_pipeline_equals_pp1(results):
+    """``ray-fsdp train``'s loop at pp 2 x dp 2 (packed rows: their
+    position_ids through both stages) logs pp 1 x dp 4's losses and norms."""
+    for rank, per_rank in enumerate(results):
+        assert "error" not in per_rank["trainer"], per_rank["trainer"]["error"]
+        got, ref = per_rank["trainer"]["pp2"], per_rank["trainer"]["pp1"]
+        for key in ("loss", "grad_norm"):
+            assert len(got[key]) == len(ref[key]) == 3, (rank, key)
+            for a, b in zip(got[key], ref[key], strict=True):
+                assert abs(a - b) / abs(b) < 1e-5, (rank, key, got[key], ref[key])
+
+
+def test_each_stage_reads_only_its_tensors_and_the_export_is_whole(results, checkpoint):
+    """``load_pretrained`` on pp 2 x dp 2 stages: each rank reads only byte
+    ranges of its stage's tensors, each byte of the checkpoint once over the
+    ranks; ``export_model`` from the stages writes the whole model, which
+    transformers loads with the checkpoint's weights and logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    pretrained, export = checkpoint
+    sizes = {}
+    for path in Path(pretrained).glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                sizes[key] = t.numel() * t.element_size()
+    by_stage: dict[tuple, int] = {}
+    for per_rank in results:
+        got = per_rank["load export"]
+        assert "error" not in got, got["error"]
+        stage_bytes = sum(sizes[n] for n in got["names"])
+        assert 0 < got["bytes"] <= stage_bytes < sum(sizes.values()), got
+        by_stage[tuple(got["names"])] = by_stage.get(tuple(got["names"]), 0) + got["bytes"]
+    assert len(by_stage) == 2
+    assert sum(by_stage.values()) == sum(sizes.values())
+    original = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    exported = AutoModelForCausalLM.from_pretrained(export).eval()
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(original(ids).logits, exported(ids).logits)

@@ -166,14 +166,44 @@ def test_plan_lines_name_stages_layers_and_bubble():
     assert lines[2:] == ["  [0, 2]", "  [1, 3]"]
 
 
-def test_the_trainer_refuses_pipeline_stages_by_name():
-    """``ray-fsdp train`` has no pipeline loop yet: a train YAML asking for
-    stages is refused before Ray starts, naming the key and the library call."""
+PP_CASES = [
+    ([], "ties its input and output embeddings"),  # the tiny preset ties them
+    (["model.tie_embeddings=false", "train.micro_batch_size=3"], "micro_batch_size x"),
+    (["model.tie_embeddings=false", "model.n_layers=1"], "exceeds the model's 1 layers"),
+    (["model.tie_embeddings=false"], None),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), PP_CASES)
+def test_the_trainer_checks_pipeline_stages_before_ray_starts(overrides, message):
+    """``ray-fsdp train`` at pp 2: what the split or the schedule would refuse
+    on the workers is named on the driver (the split runs on a meta model)."""
     from ray_fsdp_backend.trainer.spec import apply_overrides, check_spec, load_yaml
 
     doc = apply_overrides(
         load_yaml("examples/cpu_tiny.yaml"),
-        ["distributed.pipeline_parallel_size=2", "scaling.num_workers=4"],
+        ["distributed.pipeline_parallel_size=2", "scaling.num_workers=4", *overrides],
     )
     errors = [e for e in check_spec(doc) if "pipeline_parallel_size=2" in e]
-    assert errors and "ctx.pipeline_step" in errors[0]
+    if message is None:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_the_trainer_refuses_lora_under_pipeline_stages(tmp_path):
+    from ray_fsdp_backend.trainer.spec import apply_overrides, check_spec, load_yaml
+    from tests.hf_models import save_tiny_pretrained
+
+    path = save_tiny_pretrained("llama", tmp_path / "llama")
+    doc = apply_overrides(
+        load_yaml("examples/finetune_lora.yaml"),
+        [
+            f"model.pretrained={path}",
+            "model.export=null",
+            "distributed.pipeline_parallel_size=2",
+            "scaling.num_workers=4",
+        ],
+    )
+    errors = [e for e in check_spec(doc) if "pipeline_parallel_size=2" in e]
+    assert len(errors) == 1 and "model.lora" in errors[0], errors

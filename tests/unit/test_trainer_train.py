@@ -33,8 +33,8 @@ class FakeContext:
         self.no_sync_calls += 1
         yield
 
-    cp_size = tp_size = 1
-    dp_rank = cp_rank = tp_rank = 0
+    cp_size = tp_size = pp_size = 1
+    dp_rank = cp_rank = tp_rank = pp_rank = 0
 
     def global_token_count(self, labels):
         return sum((part != -100).sum() for part in labels).float()  # one rank: the step's count
