@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.context_parallel.apply import disable_hf_cache
 from ray_fsdp_backend.context_parallel.ring import ring_region
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard_sequence
 from ray_fsdp_backend.seeding import seed_step
@@ -140,14 +141,18 @@ class TrainContext:
         model's own plan; with ``pipeline_parallel_size > 1`` it is first cut
         to this rank's stage (``ray_fsdp_backend.pipeline.split``: original
         parameter names kept); with ``context_parallel_size > 1`` its attention
-        becomes Ulysses (or ring) over the cp group and a transformers model's
-        cache is turned off. See docs/parallelism.md. A ``peft`` model (frozen
+        becomes Ulysses (or ring) over the cp group. A transformers model runs without its cache on
+        every layout (``use_cache`` defaults to True even in train mode, and
+        with a cache transformers builds no per-document mask from packed
+        rows' ``position_ids``: they would attend across documents); its
+        config keeps its own value. See docs/parallelism.md. A ``peft`` model (frozen
         base, trainable adapters) wraps the same way; built on the meta device,
         its adapters get PEFT's own initialisation (docs/lora.md); one with
         ``modules_to_save``, or with an adapter on a tied weight (LoRA on a
         tied ``lm_head``), is refused (ValueError)."""
         refuse_modules_to_save(model)
         refuse_tied_adapters(model)
+        disable_hf_cache(model)
         if self.pp_size > 1:
             from ray_fsdp_backend.pipeline.split import split_for_stage
 

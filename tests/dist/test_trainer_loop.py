@@ -128,6 +128,28 @@ def _all_layouts(rank, world, hf_path):
     return {**results, "peft tp2": _peft_under_tp(), "tp2 console": console}
 
 
+def _packed_rows_against_documents() -> float:
+    """The largest logit gap between a wrapped tiny Llama (its config's
+    ``use_cache`` True, as transformers' default) on packed rows and the same
+    documents run one by one: 0 when ``ctx.wrap`` runs it without its cache
+    (with a cache transformers builds no per-document mask: 0.2 here)."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_fsdp_backend.context_parallel import pack_documents
+    from tests.hf_models import VOCAB, tiny_config
+
+    settings = FSDPSettings(use_fsdp=True, use_mixed_precision=False)
+    ctx = setup_process_context(settings, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = ctx.wrap(AutoModelForCausalLM.from_config(tiny_config("llama")))
+    docs = [torch.randint(0, VOCAB, (n,)) for n in (5, 9, 18)]
+    rows = pack_documents(docs, 32)
+    with torch.no_grad():
+        packed = model(rows["input_ids"], position_ids=rows["position_ids"]).logits[0]
+        alone = torch.cat([model(d[None]).logits[0] for d in docs])
+    return float((packed - alone).abs().max())
+
+
 def _one_process(rank, world, hf_path):
     """The reference, and the same global batch as 4 micro-batches of 2 rows
     (what an elastic resize's new ``grad_accum`` gives); the quick start and
@@ -142,6 +164,7 @@ def _one_process(rank, world, hf_path):
         _train(rank, world, {}, base=_hf(hf_path)),
         _train(rank, world, {}, [*full], base=_hf(hf_path)),
         _train(rank, world, {}, ["train.loss_chunk_tokens=5"], base=_hf(hf_path)),
+        _packed_rows_against_documents(),
     )
 
 
@@ -169,10 +192,14 @@ def test_regrouped_accumulation_trains_the_same_numbers(one_process):
 def test_chunked_loss_equals_the_full_logits_loss(one_process):
     """The trainer's chunked loss against its full-logits loss on the same
     runs: the quick start (tied head) and the tiny Llama (untied), 1e-5."""
-    reference, _, full, hf, hf_full, hf_uneven = one_process
+    reference, _, full, hf, hf_full, hf_uneven, _ = one_process
     _assert_matches(reference, full, rel=1e-5)
     _assert_matches(hf, hf_full, rel=1e-5)
     _assert_matches(hf_uneven, hf_full, rel=1e-5)
+
+
+def test_wrapped_transformers_model_attends_within_packed_documents(one_process):
+    assert one_process[-1] < 1e-5, one_process[-1]
 
 
 @pytest.fixture(scope="module")
