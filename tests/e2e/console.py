@@ -60,9 +60,9 @@ def without_expected_tracebacks(log: str) -> list[str]:
 
 
 def assert_quiet(log: str) -> None:
-    """No warning, error or traceback line but those the docs list as expected."""
+    """No warning, error, failure or traceback line but those the docs list as expected."""
     allowed = [re.compile(p) for p in expected_console_lines()]
-    noisy = re.compile(r"warn|error|traceback|exception", re.I)
+    noisy = re.compile(r"warn|error|fail|traceback|exception", re.I)
     loud = [
         line for line in without_expected_tracebacks(log)
         if noisy.search(line) and not any(p.search(line) for p in allowed)
