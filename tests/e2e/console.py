@@ -24,10 +24,17 @@ STARTED_CLUSTER = [r"INFO worker\.py:\d+ -- Started a local Ray instance"]
 """What only a driver that starts its cluster prints (beside the
 token-authentication notice, an expected line in docs/monitoring.md)."""
 JOINED_CLUSTER = [
+    r"INFO worker\.py:\d+ -- Using address \S+ set in the environment variable RAY_ADDRESS",
     r"INFO worker\.py:\d+ -- Connecting to existing Ray cluster at address",
     r"INFO worker\.py:\d+ -- Connected to Ray cluster",
+    r"core_worker\.cc:\d+ Actor with class name: 'PreemptionWatcher' .* has constructor "
+    r"arguments in the object store and max_restarts > 0",
 ]
-"""What only a driver that joins a running cluster (``RAY_ADDRESS``) prints."""
+"""What only a driver that joins a running cluster (``RAY_ADDRESS``) prints:
+Ray's address lines, and the line Ray Train's ``PreemptionWatcher`` prints
+as it starts, which ``ray-fsdp train`` leaves on where it joins a cluster
+(docs/monitoring.md; Ray 2.60 creates that actor with worker handles among
+its arguments and ``max_restarts=-1``)."""
 
 
 def expected_console_lines() -> list[str]:
@@ -59,9 +66,10 @@ def without_expected_tracebacks(log: str) -> list[str]:
     return kept + (block or [])
 
 
-def assert_quiet(log: str) -> None:
-    """No warning, error, failure or traceback line but those the docs list as expected."""
-    allowed = [re.compile(p) for p in expected_console_lines()]
+def assert_quiet(log: str, *, joined: bool = False) -> None:
+    """No warning, error, failure or traceback line but those the docs list
+    as expected (and, ``joined``, a joined cluster's :data:`JOINED_CLUSTER`)."""
+    allowed = [re.compile(p) for p in expected_console_lines() + JOINED_CLUSTER * joined]
     noisy = re.compile(r"warn|error|fail|traceback|exception", re.I)
     loud = [
         line for line in without_expected_tracebacks(log)

@@ -1,7 +1,8 @@
 """The fine-tuning pages end to end: ``ray-fsdp train examples/finetune_hf.yaml``
 and ``examples/finetune_lora.yaml`` on a tiny pretrained Llama made here, then
 the HF export loaded by ``transformers`` alone, and the PEFT export by
-``peft``, in a fresh process."""
+``peft``, in a fresh process. The fine-tuning run's whole console is
+docs/finetuning.md's sample, line for line (``tests/e2e/console.py``)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_finetune_hf_yaml_trains_and_exports(tmp_path, ray_address):
     # What a user watches: docs/finetuning.md's console, this run having joined
     # the shared cluster where the sample's run started its own.
     assert_console_is_sample(log, REPO / "docs" / "finetuning.md", "finetune_hf", joined=True)
-    assert_quiet(log)
+    assert_quiet(log, joined=True)
     assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(
         os.listdir(export)
     )

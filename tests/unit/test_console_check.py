@@ -61,20 +61,28 @@ def test_a_sample_passes_and_any_unexpected_line_fails(doc, name):
                 assert_quiet(_with(lines, extra))
 
 
-def test_a_joined_cluster_trades_its_connecting_lines_for_the_start_line():
+JOINED = [  # what test_finetune_hf's run printed, having joined the shared cluster
+    "2026-12-06 20:57:01,012\tINFO worker.py:1692 -- Using address 127.0.0.1:6379 set in the "
+    "environment variable RAY_ADDRESS",
+    "[2026-12-06 20:57:09,104 E 20731 20731] core_worker.cc:2876 Actor with class name: "
+    "'PreemptionWatcher' and ID: '5f9b6c1e0a3d4e2f01000000' has constructor arguments in the "
+    "object store and max_restarts > 0. If the arguments in the object store go out of scope or "
+    "are lost, the actor restart will fail. See https://github.com/ray-project/ray/issues/53727 "
+    "for more details.",
+]
+
+
+def test_a_joined_cluster_trades_its_own_lines_for_the_start_line():
     lines = _sample(FINETUNING, "finetune_hf")
     start = next(i for i, ln in enumerate(lines) if "Started a local Ray instance" in ln)
-    joined = lines[:start] + [
-        "2026-12-06 18:00:04,496\tINFO worker.py:1832 -- Connecting to existing Ray cluster at "
-        "address: 127.0.0.1:6379...",
-        "2026-12-06 18:00:04,596\tINFO worker.py:2003 -- Connected to Ray cluster. View the "
-        "dashboard at http://127.0.0.1:8265 ",
-    ]
-    joined += lines[start + 1 :]
-    assert_console_is_sample("\n".join(joined), FINETUNING, "finetune_hf", joined=True)
+    joined = "\n".join(lines[:start] + JOINED[:1] + lines[start + 1 : start + 3] + JOINED[1:]
+                       + lines[start + 3 :])  # fmt: skip
+    assert_console_is_sample(joined, FINETUNING, "finetune_hf", joined=True)
+    assert_quiet(joined, joined=True)
     with pytest.raises(AssertionError):  # the same lines from a run said to start its cluster
-        assert_console_is_sample("\n".join(joined), FINETUNING, "finetune_hf")
+        assert_console_is_sample(joined, FINETUNING, "finetune_hf")
+    with pytest.raises(AssertionError):  # the watcher's line is no expected line there
+        assert_quiet(joined)
     with pytest.raises(AssertionError):  # a joined run still may not add a line
-        assert_console_is_sample(
-            _with(joined, UNEXPECTED["torchao"]), FINETUNING, "finetune_hf", joined=True
-        )
+        torchao = _with(joined.splitlines(), UNEXPECTED["torchao"])
+        assert_console_is_sample(torchao, FINETUNING, "finetune_hf", joined=True)
