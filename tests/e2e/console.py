@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours some lines: patterns match the text
 
 STARTED_CLUSTER = [r"INFO worker\.py:\d+ -- Started a local Ray instance"]
 """What only a driver that starts its cluster prints (beside the
@@ -27,8 +28,8 @@ JOINED_CLUSTER = [
     r"INFO worker\.py:\d+ -- Using address \S+ set in the environment variable RAY_ADDRESS",
     r"INFO worker\.py:\d+ -- Connecting to existing Ray cluster at address",
     r"INFO worker\.py:\d+ -- Connected to Ray cluster",
-    r"core_worker\.cc:\d+ Actor with class name: 'PreemptionWatcher' .* has constructor "
-    r"arguments in the object store and max_restarts > 0",
+    r"core_worker\.cc:\d+ Actor with class name: \W*PreemptionWatcher\W.*constructor "
+    r"arguments in the object store",
 ]
 """What only a driver that joins a running cluster (``RAY_ADDRESS``) prints:
 Ray's address lines, and the line Ray Train's ``PreemptionWatcher`` prints
@@ -51,7 +52,7 @@ def without_expected_tracebacks(log: str) -> list[str]:
     active Ray instances" traceback as bare lines. Any other traceback stays."""
     allowed = [re.compile(p) for p in expected_console_lines()]
     kept, block = [], None
-    for line in log.splitlines():
+    for line in _ANSI.sub("", log).splitlines():
         if block is None and line.lstrip().startswith("Traceback (most recent call last):"):
             block = [line]
         elif block is not None and (not line.strip() or line[:1].isspace()):
