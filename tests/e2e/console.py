@@ -28,7 +28,7 @@ JOINED_CLUSTER = [
     r"INFO worker\.py:\d+ -- Using address \S+ set in the environment variable RAY_ADDRESS",
     r"INFO worker\.py:\d+ -- Connecting to existing Ray cluster at address",
     r"INFO worker\.py:\d+ -- Connected to Ray cluster",
-    r"core_worker\.cc:\d+ Actor with class name: \W*PreemptionWatcher\W.*constructor "
+    r"core_worker\.cc:\d+:? Actor with class name: \W*PreemptionWatcher\W.*constructor "
     r"arguments in the object store",
 ]
 """What only a driver that joins a running cluster (``RAY_ADDRESS``) prints:

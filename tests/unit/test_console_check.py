@@ -64,7 +64,7 @@ def test_a_sample_passes_and_any_unexpected_line_fails(doc, name):
 JOINED = [  # what test_finetune_hf's run printed, having joined the shared cluster
     "2026-12-06 20:57:01,012\tINFO worker.py:1692 -- Using address 127.0.0.1:6379 set in the "
     "environment variable RAY_ADDRESS",
-    "\x1b[33m[2026-12-06 20:57:09,104 E 20731 20731] core_worker.cc:2876 Actor with class "
+    "\x1b[33m[2026-12-06 20:57:09,104 E 20731 20731] core_worker.cc:2876: Actor with class "
     "name: \x1b[1m'PreemptionWatcher'\x1b[0m and ID: '5f9b6c1e0a3d4e2f01000000' has "
     "constructor arguments in the object store and max_restarts > 0. If the arguments in the "
     "object store go out of scope or are lost, the actor restart will fail. See "
