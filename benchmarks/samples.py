@@ -4,9 +4,12 @@ Runs the README's quick start (``ray-fsdp train examples/cpu_tiny.yaml``,
 a local Ray cluster, about a minute on 2 cores) and writes its progress and
 summary lines into every block marked ``<!-- sample: NAME -->`` (README.md's
 quick start, docs/monitoring.md's progress line), so the numbers shown are
-the numbers a run prints. ``tests/e2e/test_quickstart.py`` compares the
-loss at steps 1 and 10 with the README's; when the trainer changes them,
-run this command and commit the docs.
+the numbers a run prints; then docs/finetuning.md's fine-tuning example
+(``ray-fsdp train examples/finetune_hf.yaml`` on the tiny Llama it makes
+first, as the page says). ``tests/e2e/test_quickstart.py`` compares the
+loss at steps 1 and 10 with the README's, and it and
+``tests/e2e/test_finetune_hf.py`` the whole console with the samples'
+lines; when the trainer changes them, run this command and commit the docs.
 
     python -m benchmarks.samples            # run and rewrite the samples
     python -m benchmarks.samples --check    # run and exit 1 if a sample differs
@@ -23,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "docs" / "monitoring.md"]
+DOCS = [REPO / "README.md", REPO / "docs" / "monitoring.md", REPO / "docs" / "finetuning.md"]
 SHOWN_ROOT = "/home/me/ray_results"
 """Where the sample says the run went (the real run uses a temporary directory)."""
 _BLOCK = re.compile(r"(<!-- sample: (\w+) .*?-->\n```\n)(.*?)(```)", re.S)
@@ -32,17 +35,42 @@ _RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\(\w+ pid=\d+\)(?:\x1b\[0m)? ")
 
 def run_quickstart() -> str:
     """The console of the quick start command, with Ray's worker prefixes removed."""
+    return run_train("examples/cpu_tiny.yaml", "cpu_tiny-20261205-120000")
+
+
+def run_finetune_hf() -> str:
+    """The console of docs/finetuning.md's example: the tiny Llama made as
+    the page says, then ``ray-fsdp train examples/finetune_hf.yaml``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pretrained, export = f"{tmp}/rfb-tiny-llama", f"{tmp}/rfb-tiny-llama-finetuned"
+        subprocess.run(
+            [sys.executable, "-m", "ray_fsdp_backend.trainer.tiny_pretrained", pretrained],
+            cwd=REPO, env=_env(), check=True, capture_output=True,
+        )  # fmt: skip
+        sets = [f"model.pretrained={pretrained}", f"model.export={export}"]
+        console = run_train("examples/finetune_hf.yaml", "finetune_hf-20261205-120000", sets)
+        return console.replace(tmp, "/tmp")
+
+
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_train(example: str, name: str, sets: list[str] = ()) -> str:
+    """The console of ``ray-fsdp train EXAMPLE`` on a local cluster it starts,
+    as a user runs it, with Ray's worker prefixes removed."""
     with tempfile.TemporaryDirectory() as storage:
+        sets = [*sets, f"run.storage_path={storage}", f"run.name={name}"]
         out = subprocess.run(
-            [sys.executable, "-m", "ray_fsdp_backend.cli", "train", "examples/cpu_tiny.yaml",
-             "--set", f"run.storage_path={storage}", "--set", "run.name=cpu_tiny-20261205-120000"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-m", "ray_fsdp_backend.cli", "train", example,
+             *[arg for item in sets for arg in ("--set", item)]],
+            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         text = out.stdout  # interleaved as a terminal shows them
         if out.returncode:
-            raise SystemExit(f"the quick start failed:\n{text[-4000:]}")
+            raise SystemExit(f"{example} failed:\n{text[-4000:]}")
         return "\n".join(_RAY_PREFIX.sub("", line) for line in text.splitlines()).replace(
             storage, SHOWN_ROOT
         )
@@ -52,13 +80,21 @@ _PROGRESS = re.compile(r"step +\d+/\d+ \|")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def samples(console: str) -> dict[str, str]:
+def samples(console: str, finetune_console: str | None = None) -> dict[str, str]:
     """Each sample block's text, from the quick start's console: the whole
-    console, its progress lines between step 10 and the last as ``...``."""
-    lines = [_ANSI.sub("", line) for line in console.splitlines() if line.strip()]
+    console, its progress lines between step 10 and the last as ``...``;
+    and the fine-tuning example's whole console (``finetune_hf``)."""
+    lines = _lines(console)
     progress = [line for line in lines if _PROGRESS.match(line)]
     step10 = next(line for line in progress if re.match(r"step +10/", line))
-    return {"quickstart": "\n".join(collapse_progress(lines)), "progress": step10}
+    blocks = {"quickstart": "\n".join(collapse_progress(lines)), "progress": step10}
+    if finetune_console is not None:
+        blocks["finetune_hf"] = "\n".join(collapse_progress(_lines(finetune_console)))
+    return blocks
+
+
+def _lines(console: str) -> list[str]:
+    return [_ANSI.sub("", line) for line in console.splitlines() if line.strip()]
 
 
 def collapse_progress(lines: list[str]) -> list[str]:
@@ -89,13 +125,22 @@ def console_shape(lines: list[str]) -> list[str]:
 
 def quickstart_sample(text: str) -> list[str]:
     """The README's quick start console, line by line."""
-    body = next(m.group(3) for m in _BLOCK.finditer(text) if m.group(2) == "quickstart")
+    return sample_lines(text, "quickstart")
+
+
+def sample_lines(text: str, name: str) -> list[str]:
+    """The lines of ``text``'s block marked ``<!-- sample: NAME -->``."""
+    body = next(m.group(3) for m in _BLOCK.finditer(text) if m.group(2) == name)
     return body.splitlines()
 
 
 def rewrite(text: str, blocks: dict[str, str]) -> str:
     """``text`` with every marked block's body replaced."""
-    return _BLOCK.sub(lambda m: m.group(1) + blocks[m.group(2)] + "\n" + m.group(4), text)
+
+    def block(m: re.Match) -> str:
+        return m.group(1) + blocks.get(m.group(2), m.group(3).rstrip("\n")) + "\n" + m.group(4)
+
+    return _BLOCK.sub(block, text)
 
 
 def sample_losses(text: str) -> tuple[str, str]:
@@ -110,7 +155,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a sample differs")
     args = parser.parse_args(argv)
-    blocks = samples(run_quickstart())
+    blocks = samples(run_quickstart(), run_finetune_hf())
     stale = []
     for path in DOCS:
         old = path.read_text()

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 from ray_fsdp_backend.elastic import worker_range
 from ray_fsdp_backend.expert_plan import moe_model_from_hf
+from ray_fsdp_backend.optional_imports import keep_torchao_unimported
 from ray_fsdp_backend.plan_report import format_elastic_plan, format_plan, model_config_from_hf
-from ray_fsdp_backend.quantization import keep_torchao_unimported
 from ray_fsdp_backend.trainer.preflight import cluster_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.spec import (
@@ -105,7 +105,9 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
 
 
 def load(path: str, overrides: Sequence[str]) -> RunSpec:
-    return build_spec(apply_overrides(load_yaml(path), overrides))
+    """The spec ``plan`` reads: its ``distributed`` the plain settings, so
+    that nothing here imports Ray or (for the example decoder) torch."""
+    return build_spec(apply_overrides(load_yaml(path), overrides), torch_config=False)
 
 
 # -- validate -----------------------------------------------------------------

@@ -44,14 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-DEFAULT_CHUNK_TOKENS = 1024
-"""Tokens per chunk when ``chunk_size`` is None (``train.loss_chunk_tokens``).
-``benchmarks.fused_loss`` on CPU (151,936 words, 1k-2k tokens) measured the
-peak falling with the chunk (669 / 1,262 / 2,449 MiB at 512 / 1,024 / 2,048
-tokens) and the time the same within the noise of a shared machine; 1,024
-keeps one chunk of a 262k vocabulary near 2 GiB of fp32 logits and
-gradient, and makes matmuls of 1,024 rows, large enough for a GPU
-(docs/benchmarks.md)."""
+from ray_fsdp_backend.memory import DEFAULT_CHUNK_TOKENS
 
 REDUCTIONS = ("sum", "mean")
 

@@ -46,6 +46,17 @@ ADAMW_STATE_BYTES = 2 * FP32_BYTES
 MUON_STATE_BYTES = FP32_BYTES
 OPTIMIZERS = ("adamw", "muon")
 
+DEFAULT_CHUNK_TOKENS = 1024
+"""Tokens per chunk of :func:`~ray_fsdp_backend.loss.linear_cross_entropy`
+when ``chunk_size`` is None, and ``train.loss_chunk_tokens``' default (here,
+with the plan arithmetic, so the config reads it without torch).
+``benchmarks.fused_loss`` on CPU (151,936 words, 1k-2k tokens) measured the
+peak falling with the chunk (669 / 1,262 / 2,449 MiB at 512 / 1,024 / 2,048
+tokens) and the time the same within the noise of a shared machine; 1,024
+keeps one chunk of a 262k vocabulary near 2 GiB of fp32 logits and
+gradient, and makes matmuls of 1,024 rows, large enough for a GPU
+(docs/benchmarks.md)."""
+
 
 @dataclass(frozen=True)
 class ModelSize:

@@ -19,10 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from typing import TYPE_CHECKING
 
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.topology import (
@@ -40,6 +37,10 @@ from ray_fsdp_backend.topology import (
     compute_mesh_layout,
     compute_topology_from_env,
 )
+
+if TYPE_CHECKING:  # torch is imported where a mesh is built: plan's layouts need none
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 SHARD_CP_AXIS = f"{SHARD_AXIS}_{CP_AXIS}"
 """The flattened ``dp_shard`` x ``cp`` axis FSDP shards over when cp > 1
@@ -61,6 +62,9 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
     one node even when the scheduler numbered a node's ranks apart.
     Collective: every rank must call it.
     """
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
     mesh = DeviceMesh(device_type, torch.tensor(layout.grid), mesh_dim_names=layout.axis_names)
     if layout.expert_parallel_size > 1:
         build_expert_meshes(mesh, layout)
@@ -206,5 +210,7 @@ def tensor_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
 def topology_from_environment() -> Topology:
     """The node layout of a torchrun-style job: ``LOCAL_WORLD_SIZE`` ranks per
     node, numbered node by node (one node when the variable is unset)."""
+    import torch.distributed as dist
+
     world = dist.get_world_size()
     return compute_topology_from_env(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))

@@ -36,7 +36,7 @@ from ray_fsdp_backend.topology import (
     TP_AXIS,
     topology_from_node_counts,
 )
-from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.trainer.model_config import ModelConfig
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.spec import (
     RunSpec,

@@ -27,7 +27,6 @@ it is imported here only, and this module only by ``load_pretrained`` with
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -36,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+# Re-exported: the guard lives where importing it imports no torch (the CLI's driver).
+from ray_fsdp_backend.optional_imports import keep_torchao_unimported  # noqa: F401
 from ray_fsdp_backend.strategies.peft import unwrap
 
 BLOCK = 64
@@ -52,22 +53,6 @@ def nf4_bytes_per_param(base_itemsize: int = 2) -> float:
 
 
 QUANTIZATIONS = ("nf4",)
-
-
-def keep_torchao_unimported() -> None:
-    """Make this process import ``torchao`` only through this module's
-    quantising functions, never as a side effect (call it in a process that
-    will not quantise: the ``ray-fsdp`` driver, a worker of a run without
-    ``base_quantization``).
-
-    transformers 5.25 imports ``torchao`` whenever it is installed
-    (``modeling_utils`` -> ``quantizers.quantizer_torchao``), which prints
-    13 lines per process on a CPU machine (its CUDA kernels not loading,
-    "no triton", torch ``_pytree`` deprecations). A ``None`` entry in
-    ``sys.modules`` is Python's documented way to say "not importable":
-    ``importlib.util.find_spec`` then answers None, so transformers sees no
-    torchao. Does nothing once ``torchao`` is imported."""
-    sys.modules.setdefault("torchao", None)
 
 
 @dataclass(frozen=True)

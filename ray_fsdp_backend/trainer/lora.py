@@ -14,18 +14,17 @@ The worker builds the base on the meta device, wraps it with ``peft``'s
 ``get_peft_model`` (the adapters trainable, the base frozen), and lets the
 backend shard, initialise (PEFT's init: ``lora_B`` zeros) and load it; only
 the adapters get gradients, optimizer state and checkpoint space.
-``peft`` is imported on use only.
+``peft`` (and torch) are imported on use only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from ray_fsdp_backend.hf.check import lora_target_errors
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -110,6 +109,8 @@ def apply_lora(base: nn.Module, options: LoraOptions) -> nn.Module:
 def check_targets(base: nn.Module, targets: tuple[str, ...]) -> None:
     """Raise ``ValueError`` when a target names no linear layer of ``base``
     (:func:`~ray_fsdp_backend.hf.check.lora_target_errors`)."""
+    from ray_fsdp_backend.hf.check import lora_target_errors
+
     errors = lora_target_errors(base, targets)
     if errors:
         raise ValueError(errors[0])

@@ -1,7 +1,7 @@
 """``model: pretrained: <dir or URI>``: fine-tune a Hugging Face causal LM.
 
 The ``model:`` section of a training YAML either describes the example
-Transformer (:class:`~ray_fsdp_backend.trainer.model.ModelConfig`) or names a
+Transformer (:class:`~ray_fsdp_backend.trainer.model_config.ModelConfig`) or names a
 pretrained checkpoint directory::
 
     model:
@@ -17,7 +17,8 @@ corpus with the tokenizer saved beside the weights. With ``lora:`` it trains
 LoRA adapters on the frozen base (:mod:`ray_fsdp_backend.trainer.lora`).
 ``ray-fsdp plan`` counts parameters on a meta-device model built from
 ``config.json``: no weights read.
-``transformers`` is imported on use only.
+``transformers`` and torch are imported on use only: reading the section
+(``validate``, ``plan`` without a checkpoint to count) imports neither.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+from ray_fsdp_backend.trainer.lora import LoraOptions
+from ray_fsdp_backend.trainer.model_config import ModelConfig
 
-from ray_fsdp_backend.quantization import nf4_bytes_per_param, nf4_targets
-from ray_fsdp_backend.trainer.lora import LoraOptions, apply_lora
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BASE_DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}
+"""``model.base_dtype`` values: the torch dtype's name and its bytes per
+value (names, so that reading a config imports no torch)."""
 EXPORT_FORMATS = ("hf", "peft")
 
 
@@ -128,9 +132,11 @@ class PretrainedModelConfig:
         """Bytes per frozen parameter: the base dtype's, or with
         ``lora.base_quantization: nf4`` the mean over NF4 weights (codes and
         scales) and the rest (embeddings, norms, the head) in the base dtype."""
-        itemsize = BASE_DTYPES[self.base_dtype].itemsize
+        itemsize = BASE_DTYPES[self.base_dtype][1]
         if self.lora is None or self.lora.base_quantization is None:
             return itemsize
+        from ray_fsdp_backend.quantization import nf4_bytes_per_param
+
         sizes = _sizes(self.pretrained, self.lora)
         nf4, frozen = sizes["nf4_params"], sizes["frozen_params"]
         total = nf4 * nf4_bytes_per_param(itemsize) + (frozen - nf4) * itemsize
@@ -178,8 +184,6 @@ class PretrainedModelConfig:
 
 def build_model_section(values: dict[str, Any]):
     """The ``model:`` section: a pretrained checkpoint, or the example model."""
-    from ray_fsdp_backend.trainer.model import ModelConfig
-
     if "pretrained" in (values or {}):
         return PretrainedModelConfig.from_dict(dict(values))
     return ModelConfig.from_dict(values)
@@ -190,6 +194,8 @@ def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
     """Parameter counts of the model ``config.json`` describes (with its
     LoRA adapters), from a meta model (nothing allocated, no weights read)."""
     from ray_fsdp_backend.hf.models import build_causal_lm
+    from ray_fsdp_backend.quantization import nf4_targets
+    from ray_fsdp_backend.trainer.lora import apply_lora
 
     model = build_causal_lm(path)
     if lora is not None:
@@ -226,6 +232,8 @@ def _attention_heads(config) -> dict[str, int]:
 
 
 def _layer_lists(model: nn.Module) -> list[nn.Module]:
+    from torch import nn
+
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []
 
@@ -240,9 +248,12 @@ def _count(module: nn.Module) -> int:
 def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
     """The pretrained model (with LoRA adapters under ``cfg.lora``), wrapped
     by ``ctx`` and loaded shard by shard."""
-    from ray_fsdp_backend.hf.models import build_causal_lm
+    import torch
 
-    dtype = BASE_DTYPES[cfg.base_dtype]
+    from ray_fsdp_backend.hf.models import build_causal_lm
+    from ray_fsdp_backend.trainer.lora import apply_lora
+
+    dtype = getattr(torch, BASE_DTYPES[cfg.base_dtype][0])
     model = build_causal_lm(cfg.pretrained, dtype=dtype)
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora)  # adapters fp32 (peft's autocast_adapter_dtype)
@@ -255,6 +266,8 @@ def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
 def tokenize_corpus(cfg: PretrainedModelConfig, path: str | None) -> torch.Tensor:
     """The corpus (``data.path``, or the shipped one) as the checkpoint
     tokenizer's ids, one long int64 tensor."""
+    import torch
+
     from ray_fsdp_backend.hf.models import load_tokenizer
     from ray_fsdp_backend.trainer.data import load_corpus
 

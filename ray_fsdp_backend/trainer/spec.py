@@ -25,12 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_fsdp_backend.backend import FSDPConfig
-from ray_fsdp_backend.config import parse_yaml, unknown_key_message
+from ray_fsdp_backend.config import FSDPSettings, parse_yaml, unknown_key_message
 from ray_fsdp_backend.elastic import describe_group_sizes, elastic_world_sizes, worker_range
-from ray_fsdp_backend.loss import DEFAULT_CHUNK_TOKENS
-from ray_fsdp_backend.trainer.model import ModelConfig
-from ray_fsdp_backend.trainer.pipeline import pipeline_errors
+from ray_fsdp_backend.memory import DEFAULT_CHUNK_TOKENS
+from ray_fsdp_backend.trainer.model_config import ModelConfig
 from ray_fsdp_backend.trainer.preflight import storage_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig, build_model_section
 
@@ -196,7 +194,9 @@ class LoggingOptions:
 class RunSpec:
     """A checked training config, one typed object per section."""
 
-    distributed: FSDPConfig
+    distributed: FSDPSettings
+    """``rfb.FSDPConfig`` (Ray's ``TorchConfig``: ``TorchTrainer(torch_config=...)``)
+    from :func:`build_spec`; the plain settings with ``torch_config=False``."""
     model: ModelConfig | PretrainedModelConfig
     train: TrainOptions
     data: DataOptions
@@ -276,8 +276,13 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def build_spec(doc: Mapping[str, Any]) -> RunSpec:
+def build_spec(doc: Mapping[str, Any], *, torch_config: bool = True) -> RunSpec:
     """The typed spec for a document.
+
+    ``distributed`` is an ``rfb.FSDPConfig``, which imports Ray; with
+    ``torch_config=False`` it is the same fields as plain
+    :class:`~ray_fsdp_backend.config.FSDPSettings` (what ``plan`` reads:
+    neither Ray nor torch is imported). The checks are the same either way.
 
     Raises:
         ValueError: listing every problem :func:`check_spec` finds.
@@ -285,18 +290,23 @@ def build_spec(doc: Mapping[str, Any]) -> RunSpec:
     errors = check_spec(doc)
     if errors:
         raise ValueError("invalid training config:\n  " + "\n  ".join(errors))
-    return _build(doc)
+    return _build(doc, torch_config)
 
 
 def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunSpec:
     return build_spec(apply_overrides(load_yaml(path), overrides))
 
 
-def _build(doc: Mapping[str, Any]) -> RunSpec:
+def _build(doc: Mapping[str, Any], torch_config: bool) -> RunSpec:
     def section(name: str) -> Mapping[str, Any]:
         return doc.get(name) or {}
 
-    sections = {name: build(section(name)) for name, (_, build) in _BUILDERS.items()}
+    builders = {name: build for name, (_, build) in _BUILDERS.items()}
+    if torch_config:
+        from ray_fsdp_backend.backend import FSDPConfig  # Ray's TorchConfig: imports Ray
+
+        builders["distributed"] = FSDPConfig.from_dict
+    sections = {name: build(section(name)) for name, build in builders.items()}
     return RunSpec(**sections, raw=copy.deepcopy(dict(doc)))
 
 
@@ -422,7 +432,7 @@ def _options_builder(cls: type, section: str) -> Callable[[Mapping[str, Any]], A
 
 
 _BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
-    "distributed": (FSDPConfig, FSDPConfig.from_dict),
+    "distributed": (FSDPSettings, FSDPSettings.from_dict),
     "model": (ModelConfig, build_model_section),
     "train": (TrainOptions, _options_builder(TrainOptions, "train")),
     "data": (DataOptions, _options_builder(DataOptions, "data")),
@@ -448,7 +458,10 @@ def _cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         train, built.get("scaling"), group
     )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
-    errors += pipeline_errors(dist, model, train, data)
+    if dist is not None and dist.pipeline_parallel_size > 1:  # the split imports torch
+        from ray_fsdp_backend.trainer.pipeline import pipeline_errors
+
+        errors += pipeline_errors(dist, model, train, data)
     errors += tensor_parallel_errors(dist, model)
     errors += qlora_errors(dist, model)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:

@@ -1,7 +1,8 @@
 """The fine-tuning pages end to end: ``ray-fsdp train examples/finetune_hf.yaml``
 and ``examples/finetune_lora.yaml`` on a tiny pretrained Llama made here, then
 the HF export loaded by ``transformers`` alone, and the PEFT export by
-``peft``, in a fresh process."""
+``peft``, in a fresh process. The fine-tuning run's whole console is
+docs/finetuning.md's sample, line for line (``tests/e2e/console.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ray_env
+from tests.e2e.console import assert_console_is_sample, assert_quiet
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -37,9 +39,10 @@ for path in sys.argv[1:3]:
 def _train_example(
     example: str, tmp_path, pretrained, export, name: str, address: str | None = None
 ) -> str:
-    """``ray-fsdp train examples/<example>`` on ``pretrained``; returns the log.
-    With ``address`` (the ``ray_address`` fixture) the command joins that
-    cluster, as inside a Ray job; without, it starts its own, as a user's does."""
+    """``ray-fsdp train examples/<example>`` on ``pretrained``; returns the log
+    (stdout and stderr as a terminal interleaves them). With ``address`` (the
+    ``ray_address`` fixture) the command joins that cluster, as inside a Ray
+    job; without, it starts its own, as a user's does."""
     env = ray_env(address)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
@@ -48,9 +51,10 @@ def _train_example(
             "--set", f"model.pretrained={pretrained}", "--set", f"model.export={export}",
             "--set", f"run.storage_path={tmp_path}", "--set", f"run.name={name}",
         ],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=400,
     )  # fmt: skip
-    log = out.stdout + out.stderr
+    log = out.stdout
     assert out.returncode == 0, log[-4000:]
     first, last = map(float, re.search(r"loss (\S+) \(step 1\) -> (\S+) \(step 20\)", log).groups())
     assert last < first
@@ -73,7 +77,11 @@ def test_finetune_hf_yaml_trains_and_exports(tmp_path, ray_address):
 
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained", tied=True)
     export = tmp_path / "finetuned"
-    _train_example("finetune_hf.yaml", tmp_path, pretrained, export, "ft", ray_address)
+    log = _train_example("finetune_hf.yaml", tmp_path, pretrained, export, "ft", ray_address)
+    # What a user watches: docs/finetuning.md's console, this run having joined
+    # the shared cluster where the sample's run started its own.
+    assert_console_is_sample(log, REPO / "docs" / "finetuning.md", "finetune_hf", joined=True)
+    assert_quiet(log, joined=True)
     assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(
         os.listdir(export)
     )

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.console import assert_console_is_sample, assert_quiet
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,68 +87,8 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path):
 
 
 def assert_console_is_the_readmes(log: str) -> None:
-    """The run's whole console, line for line, is the README's quick start
-    sample: the same lines in the same order, numbers and paths aside (this
-    run's MFU column and TensorBoard line, which the README's run has not,
-    and the lines docs/monitoring.md lists as a crowded machine's, aside).
-    A new line on the console (a library's warning, Ray's prefixes) fails."""
-    from benchmarks.samples import collapse_progress, console_shape, quickstart_sample
-
-    optional = [re.compile(p) for p in expected_console_lines()]
-
-    def shown(lines):
-        lines = [re.sub(r"MFU [^|]*\| ", "", ln) for ln in lines if ln.strip()]
-        return [ln for ln in lines if not ln.startswith("tensorboard:")
-                and not any(p.search(ln) for p in optional)]  # fmt: skip
-
-    run = console_shape(collapse_progress(shown(without_expected_tracebacks(log))))
-    readme = console_shape(shown(quickstart_sample((REPO / "README.md").read_text())))
-    assert run == readme, (
-        "the quick start's console is not README.md's sample (regenerate it with "
-        "`python -m benchmarks.samples`):\n" + "\n".join(run)
-    )
-
-
-def without_expected_tracebacks(log: str) -> list[str]:
-    """The log's lines less each traceback whose final (exception) line is an
-    expected console line: with worker lines unprefixed (docs/monitoring.md),
-    a crowded machine's placement-group cleaner prints its "Found multiple
-    active Ray instances" traceback as bare lines. Any other traceback stays."""
-    allowed = [re.compile(p) for p in expected_console_lines()]
-    lines, kept, block = log.splitlines(), [], None
-    for line in lines:
-        if block is None and line.lstrip().startswith("Traceback (most recent call last):"):
-            block = [line]
-        elif block is not None and (not line.strip() or line[:1].isspace()):
-            block.append(line)
-        elif block is not None:  # the exception line ends the traceback
-            block.append(line)
-            if not any(p.search(line) for p in allowed):
-                kept += block
-            block = None
-        else:
-            kept.append(line)
-    return kept + (block or [])
-
-
-def expected_console_lines() -> list[str]:
-    """The patterns docs/monitoring.md lists under "Expected console lines"."""
-    text = (REPO / "docs" / "monitoring.md").read_text()
-    block = text.split("<!-- expected console lines -->", 1)[1].split("```", 2)[1]
-    return [line for line in block.splitlines() if line.strip()]
-
-
-def assert_quiet(log: str) -> None:
-    """No warning, error or traceback line but those the docs list as expected."""
-    allowed = [re.compile(p) for p in expected_console_lines()]
-    noisy = re.compile(r"warn|error|traceback|exception", re.I)
-    loud = [
-        line for line in without_expected_tracebacks(log)
-        if noisy.search(line) and not any(p.search(line) for p in allowed)
-    ]  # fmt: skip
-    assert not loud, "unexpected console lines (docs/monitoring.md lists the expected):\n" + (
-        "\n".join(loud[:20])
-    )
+    """The run's whole console is README.md's quick start sample, line for line."""
+    assert_console_is_sample(log, REPO / "README.md", "quickstart")
 
 
 def assert_tensorboard_has(log_dir: Path, history: list[dict]) -> None:
