@@ -31,6 +31,7 @@ NAMES = [
     "moe_ep",
     "finetune_qlora",
     "sft_chat",
+    "pipeline_tiny",
 ]
 
 
