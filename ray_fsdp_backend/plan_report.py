@@ -382,8 +382,17 @@ def format_loss_memory(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
     """The cross-entropy's peak per rank for one micro-batch (logits chunk,
     softmax, gradient; :func:`~ray_fsdp_backend.memory.estimate_loss_memory`),
     chunked as configured and with the full logits, for the example decoder
-    and pretrained models alike (their head's shape)."""
+    and pretrained models alike (their head's shape). Under pipeline
+    parallelism the last stage takes each pipeline micro-batch's whole
+    logits (``train.loss_chunk_tokens`` does not apply there)."""
     model, cfg, chunk = spec.model, spec.distributed, spec.train.loss_chunk_tokens
+    pp = cfg.pipeline_parallel_size
+    if pp > 1:
+        from ray_fsdp_backend.pipeline.layout import resolve_microbatches
+
+        chunk = 0
+        step_rows = micro_batch * spec.train.grad_accum
+        micro_batch = step_rows // resolve_microbatches(cfg.pipeline_microbatches, pp)
     tokens = micro_batch * model.seq_len // cp
     value_bytes = 2 if cfg.use_mixed_precision else 4
     kwargs = dict(tp=tp, value_bytes=value_bytes, loss_parallel=cfg.loss_parallel)
@@ -394,6 +403,8 @@ def format_loss_memory(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
         fused = estimate_loss_memory(tokens, vocab, dim, chunk=chunk, **kwargs)
         lines.append(f"  {format_bytes(fused):>10}  chunked, {chunk:,} tokens a chunk (in use)")
     in_use = "" if chunk > 0 else ", in use"
+    if pp > 1:
+        in_use = ", in use: the last pipeline stage's"
     lines.append(f"  {format_bytes(full):>10}  full logits (train.loss_chunk_tokens: 0{in_use})")
     return lines
 

@@ -166,6 +166,30 @@ def test_plan_lines_name_stages_layers_and_bubble():
     assert lines[2:] == ["  [0, 2]", "  [1, 3]"]
 
 
+def test_plan_counts_the_last_stages_whole_logits_under_pp():
+    """Under pp the last stage's loss takes each pipeline micro-batch's whole
+    logits (``loss_chunk_tokens`` does not apply): the plan's loss line says
+    so, over a pipeline micro-batch's tokens (8 rows x 2 steps / 4 = 4 rows)."""
+    from ray_fsdp_backend.plan_report import format_loss_memory
+    from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
+
+    base = ["distributed.use_fsdp=true", "train.micro_batch_size=8", "train.grad_accum=2"]
+    pp = [
+        "distributed.pipeline_parallel_size=2",
+        "distributed.pipeline_microbatches=4",
+        "model.tie_embeddings=false",
+        "scaling.num_workers=4",
+    ]
+    lines = {}
+    for name, extra in (("pp1", []), ("pp2", pp)):
+        doc = apply_overrides(load_yaml("examples/cpu_tiny.yaml"), [*base, *extra])
+        lines[name] = format_loss_memory(build_spec(doc, torch_config=False), 1, 1, 8)
+    seq = load_yaml("examples/cpu_tiny.yaml")["model"].get("seq_len", 128)
+    assert f"{8 * seq:,} tokens" in lines["pp1"][0] and "chunked" in lines["pp1"][1]
+    assert f"{4 * seq:,} tokens" in lines["pp2"][0] and len(lines["pp2"]) == 2
+    assert "in use: the last pipeline stage's" in lines["pp2"][1]
+
+
 PP_CASES = [
     ([], "ties its input and output embeddings"),  # the tiny preset ties them
     (["model.tie_embeddings=false", "train.micro_batch_size=3"], "micro_batch_size x"),
