@@ -71,9 +71,9 @@ def _restore_before(store: CheckpointStore, name: str, model, opt) -> None:
     try:
         pafs.copy_files(store.path(name), local, source_filesystem=store.fs,
                         destination_filesystem=pafs.LocalFileSystem())  # fmt: skip
-        state = sharded._state_to_load(model, opt)
+        state = sharded._state_to_load(model, opt, flat=False)
         dcp.load(state, storage_reader=dcp.FileSystemReader(local))
-        sharded._set_state(model, opt, state)
+        sharded._set_state(model, opt, state, flat=False)  # not a pipeline stage
     finally:
         shutil.rmtree(local, ignore_errors=True)
 

@@ -152,11 +152,12 @@ class TrainContext:
         tied ``lm_head``), is refused (ValueError)."""
         refuse_modules_to_save(model)
         refuse_tied_adapters(model)
-        disable_hf_cache(model)
-        if self.pp_size > 1:
+        if self.pp_size > 1:  # a stage's forward runs without a cache
             from ray_fsdp_backend.pipeline.split import split_for_stage
 
             model = split_for_stage(model, self.pp_rank, self.pp_size)
+        else:
+            disable_hf_cache(model)
         return self.strategy.wrap(model, tp_plan=tp_plan)
 
     def loss_parallel(self):
