@@ -116,6 +116,17 @@ def pytest_runtest_setup(item):
         _stop_shared()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_context_across_modules():
+    """A module that built a ``TrainContext`` in the pytest process leaves none
+    behind for the next module (the layer order runs dist modules before unit
+    ones in one xdist worker: ``get_context()`` outside a worker must fail)."""
+    yield
+    from ray_fsdp_backend.context import set_context
+
+    set_context(None)
+
+
 def pytest_sessionfinish(session):
     _stop_shared()
 

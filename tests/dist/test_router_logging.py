@@ -99,8 +99,12 @@ def test_router_metrics_on_logged_steps_only_and_equal_to_one_process(checkpoint
             assert all(1.0 <= metrics[k] <= 4.0 for k in ROUTER_KEYS), metrics
             assert metrics["aux_loss"] > 0.0
     # FSDP2 steps that do not log read nothing to the host (EP's all-to-all
-    # reads its split sizes each layer: transformers' AllToAllEP).
-    assert got["fsdp"]["syncs"][2] == 0, got["fsdp"]["syncs"]
+    # reads its split sizes each layer: transformers' AllToAllEP) but the one
+    # bool per forward transformers reads to build packed rows' per-document
+    # mask (find_packed_sequence_indices: `(mask[:, -1] == 0).all()`), which
+    # it reads only without a cache, so since ctx.wrap turns the cache off at
+    # cp 1 too (packed rows attended across documents before).
+    assert got["fsdp"]["syncs"][2] <= 1, got["fsdp"]["syncs"]
     for name, case in got.items():
         for key in (*sorted(ROUTER_KEYS), "aux_loss", "loss"):
             values = [m[key] for m in case["history"]]
