@@ -158,9 +158,12 @@ def disable_hf_cache(model: nn.Module) -> None:
     """Every transformers model in ``model`` runs with ``use_cache=False`` (a
     forward pre-hook), so packed rows get per-document masks from
     ``position_ids`` (see module docstring). Its config keeps the value it
-    had: an exported ``config.json`` is the model's own."""
+    had: an exported ``config.json`` is the model's own. Idempotent:
+    ``ctx.wrap`` and context parallelism both call it on one model."""
     for hf_model in _hf_models(model):
-        hf_model.register_forward_pre_hook(_without_cache, with_kwargs=True)
+        if not hf_model.__dict__.get("_rfb_without_cache"):
+            hf_model.register_forward_pre_hook(_without_cache, with_kwargs=True)
+            hf_model._rfb_without_cache = True
 
 
 def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
