@@ -17,10 +17,7 @@ every rank's files are durable.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import pickle
-import random
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -31,7 +28,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -39,8 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ray_fsdp_backend.checkpoint.buffers import rank_buffers, restore_rank_buffers
+from ray_fsdp_backend.checkpoint.extra_state import (
+    encode_extra_state,
+    read_extra_state,
+    restore_rng_state,
+)
+from ray_fsdp_backend.checkpoint.fit import CheckpointMismatchError, check_fits, other_ranks_keys
 from ray_fsdp_backend.checkpoint.layout import (
-    compute_key_mismatch,
     encode_marker,
     extra_state_name,
     newest_complete,
@@ -52,29 +53,15 @@ from ray_fsdp_backend.checkpoint.store import (
     CheckpointStore,
     dcp_reader,
     dcp_writer,
-    torn_object,
 )
 from ray_fsdp_backend.collectives import agreed, broadcast_from_rank0
-from ray_fsdp_backend.strategies.peft import (
-    adapter_layout,
-    describe_layout,
-    frozen_is_random,
-    has_frozen_parameters,
-)
+from ray_fsdp_backend.strategies.peft import frozen_is_random, has_frozen_parameters
 
 _logger = logging.getLogger(__name__)
-
-# Flattened-key prefixes compared before a load: parameters/buffers and
-# per-parameter optimizer state (param_groups hold hyperparameters only).
-_CHECKED_PREFIXES = ("model.", "optim.state.")
 
 # DCP reports a rank's failed read or write as CheckpointException, a
 # BaseException (torch 2.13), which ``except Exception`` misses.
 _IO_ERRORS = (Exception, CheckpointException)
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint does not fit the model (or optimizer) it is loaded into."""
 
 
 class CheckpointStorageError(RuntimeError):
@@ -282,10 +269,10 @@ def load_sharded(
         metadata = reader.read_metadata()
         flat = per_parameter_groups(metadata.state_dict_metadata)
         state = _state_to_load(model, optimizer, flat=flat)
-        check_fits(state, metadata, where=store.path(name), others=_other_ranks_keys(state))
+        check_fits(state, metadata, where=store.path(name), others=other_ranks_keys(state))
         dcp.load(state, storage_reader=reader)
         with agreed(f"reading the extra state of {name}"):  # a torn file fails every rank
-            extra, own = _read_extra(store, name, dist.get_rank())
+            extra, own = read_extra_state(store, name, dist.get_rank())
     _set_state(model, optimizer, state, flat=flat)
     if own:
         restore_rng_state(extra["rng"])
@@ -367,127 +354,3 @@ def _set_state(model: nn.Module, optimizer, state: dict[str, Any], flat: bool) -
         optim_state_dict=state.get("optim", {}),
         options=_state_options(model, flat),
     )
-
-
-def flatten_shapes(state: Mapping[str, Any], prefix: str = "") -> dict[str, tuple | None]:
-    """Flattened keys as DCP writes them (``model.layers.0.fc.weight``) ->
-    global shape for tensors (DTensors: the full shape), None for other leaves.
-    Lists (optimizer ``param_groups``) are skipped."""
-    out: dict[str, tuple | None] = {}
-    for key, value in state.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten_shapes(value, f"{path}."))
-        elif isinstance(value, torch.Tensor):
-            out[path] = tuple(value.shape)
-        elif not isinstance(value, (list, tuple)):
-            out[path] = None
-    return out
-
-
-def stored_shapes(metadata: Metadata) -> dict[str, tuple | None]:
-    """The checkpoint's flattened keys -> shape (None for non-tensor entries)."""
-    return {
-        key: tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
-        for key, md in metadata.state_dict_metadata.items()
-    }
-
-
-def _other_ranks_keys(state: Mapping[str, Any]) -> set[str]:
-    """The flattened keys every other rank loads (collective): pipeline
-    stages each load their own parameters, so a checkpoint key is extra only
-    when no rank loads it."""
-    keys = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, sorted(flatten_shapes(state)))
-    return {k for part in keys for k in part}
-
-
-def check_fits(
-    state: Mapping[str, Any], metadata: Metadata, *, where: str, others: set[str] = frozenset()
-) -> None:
-    """Raise ``CheckpointMismatchError`` naming the keys when ``state`` and the
-    checkpoint differ in keys or tensor shapes (DCP would ignore extra keys);
-    keys in ``others`` (what other ranks load) are not extra."""
-    mine, theirs = flatten_shapes(state), stored_shapes(metadata)
-    theirs = {k: v for k, v in theirs.items() if k in mine or k not in others}
-    mismatch = compute_key_mismatch(mine, theirs, _CHECKED_PREFIXES)
-    if mismatch:
-        adapters = ""
-        ours, saved = adapter_layout(mine), adapter_layout(theirs)
-        if ours != saved:
-            adapters = (
-                f"; its LoRA adapters are {describe_layout(saved)}, "
-                f"the model's are {describe_layout(ours)}"
-            )
-        raise CheckpointMismatchError(
-            f"checkpoint {where} does not fit this model/optimizer: {mismatch.describe()}"
-            + adapters
-        )
-
-
-# -- extra state and RNG ------------------------------------------------
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG generators: torch CPU, the current CUDA device's
-    (when CUDA is in use), Python's ``random`` and NumPy's global one."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    # As a tensor: weights_only loading refuses NumPy arrays.
-    state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Set the generators ``capture_rng_state`` recorded."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-
-
-def encode_extra_state(
-    extra_state: Mapping[str, Any] | None, buffers: Mapping[str, torch.Tensor] | None = None
-) -> bytes:
-    """This rank's extra-state file: the caller's state, the RNG state and
-    this rank's buffers (see :mod:`.buffers`).
-
-    Raises:
-        ValueError: it would not load with ``weights_only=True`` (only
-            tensors, numbers, strings, None and lists/tuples/dicts of them).
-    """
-    buf = io.BytesIO()
-    state = {"user": dict(extra_state or {}), "rng": capture_rng_state()}
-    torch.save({**state, "buffers": dict(buffers or {})}, buf)
-    data = buf.getvalue()
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:
-        raise ValueError(
-            "extra_state must hold only tensors, numbers, strings, bools, None and "
-            f"lists/tuples/dicts of them (it is loaded with weights_only=True): {exc}"
-        ) from None
-    return data
-
-
-def _read_extra(store: CheckpointStore, name: str, rank: int) -> tuple[dict[str, Any], bool]:
-    """This rank's extra state if it saved one, else rank 0's; and whether it
-    was this rank's own (only then are its RNG generators restored)."""
-    own = f"{name}/{extra_state_name(rank)}"
-    path = own if store.exists(own) else f"{name}/{extra_state_name(0)}"
-    data = store.read_file(path)
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True), path == own
-    except (EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
-        raise torn_object(store.path(path), len(data), None, str(exc)) from exc
