@@ -2,7 +2,9 @@
 
 One spawned job on 4 ranks, mesh ``pp 2 x dp_shard 2``: a tiny
 transformers Llama and the built-in decoder, each with 3 layers (stages of 2
-and 1 layers), under the 1F1B and GPipe schedules; and the decoder at
+and 1 layers), under the 1F1B and GPipe schedules; Qwen2, Mistral, Gemma 3
+(scaled embedding, per-layer-type rotary, capped logits) and Qwen2-MoE
+(experts and a shared expert in each layer); and the decoder at
 ``pp 2 x tp 2``. Every rank holds only its stage's parameters, under their
 original names; 3 AdamW steps of
 ``ctx.pipeline_step`` plus ``ctx.clip_grad_norm`` (max_norm 0.5, so it
@@ -59,6 +61,10 @@ CASES = {
     "decoder packed gpipe": ("decoder", "gpipe", 2, {}, True),
     "qwen2 1f1b": ("qwen2", "1f1b", 2),
     "mistral packed 1f1b": ("mistral", "1f1b", 2, {}, True),
+    # Gemma 3: embedding scale, per-layer-type rotary and windows, capped logits.
+    "gemma3 packed 1f1b": ("gemma3_text", "1f1b", 2, {}, True),
+    # Mixture of experts (4 experts, top 2, a shared expert), FSDP2 over each stage's dp.
+    "qwen2_moe gpipe": ("qwen2_moe", "gpipe", 2),
 }
 
 
@@ -86,6 +92,12 @@ def _model(family: str) -> torch.nn.Module:
         sliding = {
             "mistral": dict(sliding_window=6),  # every layer
             "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+            "gemma3_text": dict(
+                sliding_window=6,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                final_logit_softcapping=0.5,  # a cap that bites (logits reach ~0.4)
+            ),
+            "qwen2_moe": {},
         }[family]
         name = {"qwen2": "qwen2_tied"}.get(family, family)  # the zoo's Qwen2, untied here
         config = family_config(
