@@ -24,7 +24,6 @@ from ray_fsdp_backend.pipeline.families import HF_FAMILIES
 from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
 
 
-
 class StageLayers(nn.ModuleList):
     """The layers one stage holds, registered under their index in the whole
     model (``layers.5`` stays ``layers.5``); iterates in order, and an int
