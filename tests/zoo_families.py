@@ -22,7 +22,8 @@ SEQ = 32
 FAMILIES = ("mistral", "gemma2", "gemma3_text", "gpt_oss", "phi3", "qwen3", "olmo2", "qwen2_tied")
 """Every family the zoo trains (``qwen2_tied``: Qwen2 with tied embeddings).
 :func:`family_config` also builds ``gemma``, ``qwen2_moe``, ``qwen3_moe`` and
-``mixtral`` (4 experts, top 2), which the pipeline split's tests use."""
+``mixtral`` (4 experts, top 2) and ``qwen3_next``, which the pipeline
+split's tests use."""
 
 
 def family_config(name: str, **overrides):
@@ -75,6 +76,11 @@ def family_config(name: str, **overrides):
         ),
         "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+        "qwen3_next": dict(
+            num_experts=4,
+            moe_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention"],
+        ),
     }.get(name, {})
     config_class = {
         "mistral": tf.MistralConfig,
@@ -89,6 +95,7 @@ def family_config(name: str, **overrides):
         "qwen2_moe": tf.Qwen2MoeConfig,
         "qwen3_moe": tf.Qwen3MoeConfig,
         "mixtral": tf.MixtralConfig,
+        "qwen3_next": tf.Qwen3NextConfig,
     }[name]
     return config_class(**{**common, **extra, **overrides})
 
