@@ -16,6 +16,8 @@ count alike.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 
 import torch
@@ -26,6 +28,19 @@ from ray_fsdp_backend.hf.transformers_moe import router_class
 from ray_fsdp_backend.strategies.expert_parallel import experts_modules
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_PAUSED = contextvars.ContextVar("rfb_router_counting_paused", default=False)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Routing inside the block is not counted: torch's pipeline stage runs
+    one extra forward on its first step to infer shapes (the first stage on
+    the real micro-batch, the others on uninitialised stand-ins)."""
+    token = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(token)
 
 
 class RouterStats:
@@ -45,6 +60,8 @@ class RouterStats:
 
     def _counter(self, label: str):
         def hook(module, inputs, output) -> None:
+            if _PAUSED.get():
+                return
             logits, _, index = output
             # index_add_, not bincount: CUDA's bincount reads the largest id to the host.
             flat = index.detach().flatten()
