@@ -3,9 +3,11 @@
 One spawned job on 4 ranks, mesh ``pp 2 x dp_shard 2``: a tiny
 transformers Llama and the built-in decoder, each with 3 layers (stages of 2
 and 1 layers), under the 1F1B and GPipe schedules; Qwen2, Mistral, Gemma 3
-(scaled embedding, per-layer-type rotary, capped logits) and Qwen2-MoE
-(experts and a shared expert in each layer); and the decoder at
-``pp 2 x tp 2``. Every rank holds only its stage's parameters, under their
+(scaled embedding, per-layer-type rotary, capped logits), Qwen2-MoE
+(experts and a shared expert in each layer) and Qwen3-MoE at ep 2 inside
+each stage; and the decoder at ``pp 2 x tp 2``. The MoE layers' expert load
+(``ctx.router_stats``, each stage counting its own layers) equals one
+process's. Every rank holds only its stage's parameters, under their
 original names; 3 AdamW steps of
 ``ctx.pipeline_step`` plus ``ctx.clip_grad_norm`` (max_norm 0.5, so it
 clips) give one process's loss and pre-clip norm (1e-5) and parameters
