@@ -13,9 +13,10 @@ masks from ``position_ids``, decoder layers, final norm, head. What differs:
   per layer type (local and global bases).
 - Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss):
   their decoder layers route and run the experts inside the layer; a stage
-  calls them as the whole model does. The router logits transformers collects
-  for the auxiliary loss are not collected by a stage (see
-  :data:`AUX_LOSS_RULE`).
+  calls them as the whole model does. A stage collects no router logits, so
+  the auxiliary load-balancing loss is neither added nor logged under pp
+  (the step's loss is ``loss_fn`` on the last stage's logits; without pp the
+  trainer logs it and does not add it either).
 - gpt-oss builds its masks without ``position_ids`` (packed rows are not
   split into documents by its own forward), and a stage does the same.
 """
@@ -34,12 +35,6 @@ ROTARY_PER_LAYER_TYPE = ("gemma3_text",)
 
 MASK_WITHOUT_POSITIONS = ("gpt_oss",)
 """Families whose own forward builds masks without ``position_ids``."""
-
-AUX_LOSS_RULE = (
-    "the pipeline step's loss is loss_fn over the last stage's logits only: a mixture-of-experts "
-    "router's auxiliary load-balancing loss is neither added nor logged under "
-    "pipeline_parallel_size > 1 (without pp the trainer logs it and does not add it either)"
-)
 
 
 def check_family(model) -> None:
