@@ -240,8 +240,9 @@ class FSDPSettings:
     (the embedding on the first, final norm and head on the last) and is
     FSDP2-sharded over the data-parallel ranks of its own node group;
     ``ctx.pipeline_step`` runs the schedule. Must divide the world size;
-    needs ``use_fsdp``; not with context or expert parallelism or DMuon. See
-    docs/parallelism.md."""
+    needs ``use_fsdp``; composes with expert parallelism inside a stage (ep
+    over the stage's data-parallel ranks); not with context parallelism or
+    DMuon. See docs/parallelism.md."""
 
     pipeline_schedule: str = "1f1b"
     """torch.distributed.pipelining's schedule: ``1f1b`` (one forward, one
@@ -574,12 +575,11 @@ def _check_pipeline_parallel(cfg: FSDPSettings) -> None:
             f"pipeline_parallel_size={pp} needs use_fsdp=true: each stage is FSDP2-sharded "
             "over its data-parallel ranks; DDP with pipeline parallelism is not supported"
         )
-    for key in ("context_parallel_size", "expert_parallel_size"):
-        if getattr(cfg, key) > 1:
-            raise ValueError(
-                f"pipeline_parallel_size={pp} with {key}={getattr(cfg, key)} is not "
-                "supported yet: use one of the two"
-            )
+    if cfg.context_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} with context_parallel_size={cfg.context_parallel_size} "
+            "is not supported yet: use one of the two"
+        )
     if cfg.sequence_parallel:
         raise ValueError(
             f"pipeline_parallel_size={pp} with sequence_parallel=true is not supported: the "

@@ -281,10 +281,11 @@ class TrainContext:
         ``model``: per-layer expert load of a mixture-of-experts model, counted
         on the device; call its ``collect()`` on logging steps only (every rank,
         collective) for ``{"router/layer{i}/max_over_mean": ...}`` over the
-        global batch. See docs/moe.md."""
+        global batch (under pipeline parallelism each stage counts its own
+        layers). See docs/moe.md."""
         from ray_fsdp_backend.metrics.router import RouterStats
 
-        return RouterStats(model)
+        return RouterStats(model, stages=self.pp_size > 1)
 
     def save_checkpoint(
         self,

@@ -20,7 +20,10 @@ SEQ = 32
 """Row length: four windows."""
 
 FAMILIES = ("mistral", "gemma2", "gemma3_text", "gpt_oss", "phi3", "qwen3", "olmo2", "qwen2_tied")
-"""Every family the zoo trains (``qwen2_tied``: Qwen2 with tied embeddings)."""
+"""Every family the zoo trains (``qwen2_tied``: Qwen2 with tied embeddings).
+:func:`family_config` also builds ``gemma``, ``qwen2_moe``, ``qwen3_moe`` and
+``mixtral`` (4 experts, top 2) and ``qwen3_next``, which the pipeline
+split's tests use."""
 
 
 def family_config(name: str, **overrides):
@@ -63,6 +66,21 @@ def family_config(name: str, **overrides):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
         "qwen2_tied": dict(tie_word_embeddings=True),
+        # Families outside the zoo's run, used by the pipeline split's tests.
+        "gemma": dict(),
+        "qwen2_moe": dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+        ),
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+        "qwen3_next": dict(
+            num_experts=4,
+            moe_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention"],
+        ),
     }.get(name, {})
     config_class = {
         "mistral": tf.MistralConfig,
@@ -73,6 +91,11 @@ def family_config(name: str, **overrides):
         "qwen3": tf.Qwen3Config,
         "olmo2": tf.Olmo2Config,
         "qwen2_tied": tf.Qwen2Config,
+        "gemma": tf.GemmaConfig,
+        "qwen2_moe": tf.Qwen2MoeConfig,
+        "qwen3_moe": tf.Qwen3MoeConfig,
+        "mixtral": tf.MixtralConfig,
+        "qwen3_next": tf.Qwen3NextConfig,
     }[name]
     return config_class(**{**common, **extra, **overrides})
 

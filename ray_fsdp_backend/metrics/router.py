@@ -16,6 +16,8 @@ count alike.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 
 import torch
@@ -26,6 +28,19 @@ from ray_fsdp_backend.hf.transformers_moe import router_class
 from ray_fsdp_backend.strategies.expert_parallel import experts_modules
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_PAUSED = contextvars.ContextVar("rfb_router_counting_paused", default=False)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Routing inside the block is not counted: torch's pipeline stage runs
+    one extra forward on its first step to infer shapes (the first stage on
+    the real micro-batch, the others on uninitialised stand-ins)."""
+    token = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(token)
 
 
 class RouterStats:
@@ -33,7 +48,10 @@ class RouterStats:
     :meth:`collect` (see the module docstring). Build it once after
     ``ctx.wrap``; :meth:`close` removes the hooks."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, stages: bool = False):
+        """``stages``: ``model`` is one pipeline stage (each rank counts only
+        its stage's layers; :meth:`collect` then sums per layer label)."""
+        self._stages = stages
         self._counts: dict[str, torch.Tensor] = {}
         self._handles = [
             module.register_forward_hook(self._counter(_label(name)))
@@ -42,6 +60,8 @@ class RouterStats:
 
     def _counter(self, label: str):
         def hook(module, inputs, output) -> None:
+            if _PAUSED.get():
+                return
             logits, _, index = output
             # index_add_, not bincount: CUDA's bincount reads the largest id to the host.
             flat = index.detach().flatten()
@@ -57,18 +77,35 @@ class RouterStats:
         since the last call, then start counting afresh. Collective when a
         process group is initialised (one all-reduce, one host sync); every
         rank must call it at the same step. Empty when nothing was routed."""
+        if self._stages and dist.is_initialized():
+            return self._collect_stages()
         if not self._counts:
             return {}
-        labels = sorted(self._counts, key=lambda s: int(s) if s.isdigit() else -1)
+        labels = sorted(self._counts, key=_order)
         counts = torch.stack([self._counts[label] for label in labels]).double()
         self._counts.clear()
         if dist.is_initialized():
             dist.all_reduce(counts)
-        ratios = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)
-        return {
-            f"router/layer{label}/max_over_mean": r
-            for label, r in zip(labels, ratios.tolist(), strict=True)
-        }
+        return _ratios(labels, counts)
+
+    def _collect_stages(self) -> dict[str, float]:
+        """:meth:`collect` under pipeline parallelism: the stages hold
+        different layers (a stage may hold no router), so every rank sends
+        its per-layer counts to all (one ``all_gather_object``) and each
+        layer's counts are summed over the ranks that hold it."""
+        local = {label: counts.tolist() for label, counts in self._counts.items()}
+        self._counts.clear()
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        totals: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            for label, counts in part.items():
+                add = torch.tensor(counts, dtype=torch.float64)
+                totals[label] = totals[label] + add if label in totals else add
+        if not totals:
+            return {}
+        labels = sorted(totals, key=_order)
+        return _ratios(labels, torch.stack([totals[label] for label in labels]))
 
     def close(self) -> None:
         for handle in self._handles:
@@ -91,6 +128,19 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(module, cls):
                 routers.append((f"{block}.{child}", module))
     return routers
+
+
+def _order(label: str) -> int:
+    return int(label) if label.isdigit() else -1
+
+
+def _ratios(labels: list[str], counts: torch.Tensor) -> dict[str, float]:
+    """Each layer's busiest expert's count over the mean count."""
+    ratios = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)
+    return {
+        f"router/layer{label}/max_over_mean": r
+        for label, r in zip(labels, ratios.tolist(), strict=True)
+    }
 
 
 def _label(name: str) -> str:

@@ -7,8 +7,9 @@ their index in the whole model, and the modules it does not hold are removed
 Supported: the built-in decoder (:class:`~ray_fsdp_backend.trainer.model.Transformer`)
 and transformers' Llama-style causal LMs (``model.embed_tokens``,
 ``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``) of the
-families in :data:`HF_FAMILIES`. Tied input and output embeddings span the
-first and last stage and are refused.
+families in :data:`HF_FAMILIES` (dense, Gemma and mixture-of-experts; what
+differs per family: :mod:`.families`). Tied input and output embeddings span
+the first and last stage and are refused.
 """
 
 from __future__ import annotations
@@ -18,13 +19,9 @@ import types
 import torch
 from torch import nn
 
+from ray_fsdp_backend.pipeline import families
+from ray_fsdp_backend.pipeline.families import HF_FAMILIES
 from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
-
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-"""transformers ``model_type`` values whose decoder forward is embed, rotary,
-causal (or sliding-window: Mistral's ``sliding_window``, Qwen2/3's
-``layer_types``) mask, layers, norm, head. Gemma (embedding scale, tied
-embeddings) and mixture-of-experts families are refused."""
 
 
 class StageLayers(nn.ModuleList):
@@ -83,6 +80,7 @@ def _decoder_parts(model: nn.Module) -> tuple[nn.Module, tuple[str, str, str, st
     family = getattr(config, "model_type", None)
     inner = getattr(model, "model", None)
     if family in HF_FAMILIES and hasattr(model, "lm_head") and hasattr(inner, "layers"):
+        families.check_family(model)
         return inner, ("embed_tokens", "layers", "norm", "lm_head")
     raise ValueError(
         f"pipeline_parallel_size > 1 splits the built-in decoder or a transformers causal LM "
@@ -127,42 +125,28 @@ def _builtin_forward(
 
 
 def _hf_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """A transformers decoder stage, as its ``model.forward`` without a cache:
-    ``position_ids`` (default ``0 .. S-1``; packed rows restart them) give
-    the rotary angles and, through transformers' mask builders, the
-    document-boundary (and sliding-window) masks, per layer type."""
-    inner = self.model
+    """A transformers decoder stage, as its ``model.forward`` (and the causal
+    LM's head) without a cache: ``position_ids`` (default ``0 .. S-1``; packed
+    rows restart them) give the rotary angles and, through transformers' mask
+    builders, the document-boundary (and sliding-window) masks, per layer
+    type; per-family parts in :mod:`.families`."""
+    inner, config = self.model, self.config
     if inner.embed_tokens is not None:
-        x = inner.embed_tokens(x)
+        x = inner.embed_tokens(x)  # Gemma's sqrt(hidden) scale is inside the module
     positions = position_ids
     if positions is None:
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-    types = {name: _layer_type(self.config, int(name)) for name in inner.layers._modules}
-    masks = {kind: _mask(self.config, kind, x, positions) for kind in set(types.values())}
-    rope = inner.rotary_emb(x, position_ids=positions)
+    kinds = {name: families.layer_type(config, int(name)) for name in inner.layers._modules}
+    masks = families.stage_masks(config, set(kinds.values()), x, positions)
+    rope = families.stage_rotary(inner, config, set(kinds.values()), x, positions)
     for name, layer in inner.layers._modules.items():
+        kind = kinds[name]
         x = layer(
-            x, attention_mask=masks[types[name]], position_embeddings=rope, position_ids=positions
+            x, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions
         )
     if self.lm_head is not None:
-        x = self.lm_head(inner.norm(x))
+        x = families.final_logits(config, self.lm_head(inner.norm(x)))
     return x
-
-
-def _layer_type(config, index: int) -> str:
-    """Layer ``index``'s attention: ``config.layer_types`` (Qwen2/3), else
-    sliding when ``config.sliding_window`` is set (Mistral), else full."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return types[index]
-    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-
-
-def _mask(config, kind: str, x: torch.Tensor, positions: torch.Tensor):
-    from ray_fsdp_backend.hf.compat import create_causal_mask, create_sliding_window_causal_mask
-
-    build = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-    return build(config, x, position_ids=positions)
 
 
 __all__ = ["HF_FAMILIES", "StageLayers", "StagePlan", "split_for_stage"]

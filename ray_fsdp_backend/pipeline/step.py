@@ -47,9 +47,27 @@ class _Pipeline:
         self.schedule = kind(
             self.stage, n_microbatches=micro, loss_fn=self._loss, scale_grads=False
         )
+        _uncounted_inference(self.stage)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) / self.divisor
+
+
+def _uncounted_inference(stage) -> None:
+    """Keep the forward torch 2.13's stage runs on its first step to infer
+    shapes (on stand-in tensors past the first stage) out of the router
+    statistics (``ctx.router_stats``)."""
+    from ray_fsdp_backend.metrics.router import uncounted
+
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def quiet(*args, **kwargs):
+        with uncounted():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = quiet
 
 
 def pipeline_step(

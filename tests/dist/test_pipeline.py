@@ -2,8 +2,12 @@
 
 One spawned job on 4 ranks, mesh ``pp 2 x dp_shard 2``: a tiny
 transformers Llama and the built-in decoder, each with 3 layers (stages of 2
-and 1 layers), under the 1F1B and GPipe schedules; and the decoder at
-``pp 2 x tp 2``. Every rank holds only its stage's parameters, under their
+and 1 layers), under the 1F1B and GPipe schedules; Qwen2, Mistral, Gemma 3
+(scaled embedding, per-layer-type rotary, capped logits), Qwen2-MoE
+(experts and a shared expert in each layer) and Qwen3-MoE at ep 2 inside
+each stage; and the decoder at ``pp 2 x tp 2``. The MoE layers' expert load
+(``ctx.router_stats``, each stage counting its own layers) equals one
+process's. Every rank holds only its stage's parameters, under their
 original names; 3 AdamW steps of
 ``ctx.pipeline_step`` plus ``ctx.clip_grad_norm`` (max_norm 0.5, so it
 clips) give one process's loss and pre-clip norm (1e-5) and parameters
@@ -59,7 +63,17 @@ CASES = {
     "decoder packed gpipe": ("decoder", "gpipe", 2, {}, True),
     "qwen2 1f1b": ("qwen2", "1f1b", 2),
     "mistral packed 1f1b": ("mistral", "1f1b", 2, {}, True),
+    # Gemma 3: embedding scale, per-layer-type rotary and windows, capped logits.
+    "gemma3 packed 1f1b": ("gemma3_text", "1f1b", 2, {}, True),
+    # Mixture of experts (4 experts, top 2, a shared expert), FSDP2 over each stage's dp.
+    "qwen2_moe gpipe": ("qwen2_moe", "gpipe", 2),
+    # Expert parallelism inside each stage: ep 2 over the stage's 2 dp ranks.
+    "qwen3_moe ep2 packed 1f1b": ("qwen3_moe", "1f1b", 2, {"expert_parallel_size": 2}, True),
 }
+
+
+def family_is_moe(case: str) -> bool:
+    return "moe" in CASES[case][0]
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -86,6 +100,13 @@ def _model(family: str) -> torch.nn.Module:
         sliding = {
             "mistral": dict(sliding_window=6),  # every layer
             "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+            "gemma3_text": dict(
+                sliding_window=6,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                final_logit_softcapping=0.5,  # a cap that bites (logits reach ~0.4)
+            ),
+            "qwen2_moe": {},
+            "qwen3_moe": {},
         }[family]
         name = {"qwen2": "qwen2_tied"}.get(family, family)  # the zoo's Qwen2, untied here
         config = family_config(
@@ -171,9 +192,13 @@ def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
 def _run_case(
     family: str, schedule: str, micro: int, extra: dict | None = None, packed: bool = False
 ) -> dict:
+    from ray_fsdp_backend.metrics.router import RouterStats
+
     full = _model(family)
     trained = copy.deepcopy(full)
+    ref_router = RouterStats(trained)  # an MoE's per-layer expert load over the 3 steps
     ref_losses, ref_norms, ref_params = _reference(trained, packed)
+    ref_load = ref_router.collect()
     ref_held_out = _held_out(trained, packed)
     settings = FSDPSettings(
         use_fsdp=True,
@@ -186,6 +211,7 @@ def _run_case(
     ctx = setup_process_context(settings, torch.device("cpu"))
     model = ctx.wrap(copy.deepcopy(full))
     names = {n for n, _ in model.named_parameters()}
+    router = ctx.router_stats(model)  # each stage counts its own layers
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = ROWS // ctx.dp_size
     mine = {k: v[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows] for k, v in _batch(packed).items()}
@@ -201,6 +227,7 @@ def _run_case(
         mean = float(mean) / dist.get_world_size()
         errors.append(abs(mean - ref_losses[step]) / ref_losses[step])
         errors.append(abs(float(norm) - ref_norms[step]) / ref_norms[step])
+    load = router.collect()
     # Forward only through the stages (pipeline_eval): the token sum on every rank.
     held_out = pipeline_eval(ctx, model, mine)
     dist.all_reduce(held_out)
@@ -213,6 +240,7 @@ def _run_case(
     return {
         "errors": errors,
         "params": params,
+        "load": (load, ref_load),
         "names_ok": names == _expected_names(full, ctx.pp_rank),
         "held": len(names),
         "all": len(ref_params),
@@ -289,6 +317,9 @@ def test_pipeline_steps_equal_one_process(results, case):
         # AdamW divides by the gradients' root mean square: float noise of 1e-7
         # in a tiny gradient moves a weight by ~1e-5 over 3 steps of lr 1e-2.
         assert got["params"] < 1e-4, (rank, got["params"])
+        load, ref_load = got["load"]  # every MoE layer's, on every rank; {} for dense models
+        assert load == pytest.approx(ref_load, abs=1e-9), (rank, load, ref_load)
+        assert len(load) == 3 * family_is_moe(case), (rank, load)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -33,10 +33,6 @@ def _settings(**kw) -> FSDPSettings:
             dict(use_fsdp=True, pipeline_parallel_size=2, context_parallel_size=2),
             "context_parallel_size=2",
         ),
-        (
-            dict(use_fsdp=True, pipeline_parallel_size=2, expert_parallel_size=2),
-            "expert_parallel_size=2",
-        ),
         (dict(use_fsdp=True, pipeline_parallel_size=2, use_dmuon=True), "use_dmuon"),
         (
             dict(
@@ -80,6 +76,15 @@ def test_stages_hold_hsdp_and_tp_inside():
     assert layout.groups("pp")[0] == (0, 8)
     assert layout.groups("dp_shard")[0] == (0, 2)
     assert layout.groups("tp")[0] == (0, 1)
+
+
+def test_expert_parallel_groups_stay_inside_a_stage():
+    """ep 2 under pp 2 on 8 ranks: experts split over pairs of one stage's dp
+    ranks, sharded over the other pair of the same stage; none crosses ``pp``."""
+    layout = resolve_layout(_settings(expert_parallel_size=2), compute_topology_from_env(8, 2))
+    assert layout.axis_names == ("pp", "dp_shard") and layout.shape == (2, 4)
+    assert layout.expert_groups("ep") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert layout.expert_groups("efsdp") == ((0, 2), (1, 3), (4, 6), (5, 7))
 
 
 def test_world_not_divisible_by_stages_is_refused():
