@@ -13,18 +13,24 @@
 - :mod:`.check`: :func:`check_pretrained`, a checkpoint's existence and LoRA
   targets, from the driver before anything starts.
 - :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
+- :mod:`.shapes`: a local checkpoint's parameter shapes, for ``plan`` (no torch).
 """
 
-from ray_fsdp_backend.hf.check import check_pretrained
-from ray_fsdp_backend.hf.export import export_model
-from ray_fsdp_backend.hf.load import load_pretrained
-from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
-from ray_fsdp_backend.hf.target import ExportTargetError
+import importlib
 
-__all__ = [
-    "ExportTargetError",
-    "PretrainedCheckpointError",
-    "check_pretrained",
-    "export_model",
-    "load_pretrained",
-]
+_EXPORTS = {
+    "ExportTargetError": "target",
+    "PretrainedCheckpointError": "reader",
+    "check_pretrained": "check",
+    "export_model": "export",
+    "load_pretrained": "load",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """The public names, imported on first use: ``ray-fsdp plan`` imports
+    :mod:`.shapes` and :mod:`.check` without the loader's torch."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

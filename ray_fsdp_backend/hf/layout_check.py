@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a rule needs the meta model
+    from torch import nn
 
 
 def model_layout_errors(
@@ -112,6 +114,8 @@ def tensor_parallel_shape_errors(model: nn.Module, tp: int) -> list[str]:
 def nf4_errors(model: nn.Module, shards: int) -> list[str]:
     """Every linear weight NF4 would quantise (all but the output head), its
     shard over ``shards`` FSDP ranks against NF4's blocks: the loader's rule."""
+    from torch import nn
+
     from ray_fsdp_backend.quantization import Target, nf4_shard_problems
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
