@@ -50,7 +50,11 @@ class MatrixSpec:
 
 
 def is_default_dedicated(
-    ndim: int, *, in_block: bool, embedding: bool = False, expert_stack: bool = False,
+    ndim: int,
+    *,
+    in_block: bool,
+    embedding: bool = False,
+    expert_stack: bool = False,
     expert_bias: bool = False,
 ) -> bool:
     """DMuon's default choice for one parameter, from where it lives: a 2-D

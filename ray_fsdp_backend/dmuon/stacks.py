@@ -26,7 +26,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-
 STACK_NDIM = 3
 """A dedicated parameter of this many dims is a stack of matrices on dim 0."""
 

@@ -16,7 +16,7 @@
 - :mod:`.shapes`: a local checkpoint's parameter shapes, for ``plan`` (no torch).
 """
 
-import importlib
+from ray_fsdp_backend.optional_imports import lazy_exports
 
 _EXPORTS = {
     "ExportTargetError": "target",
@@ -26,11 +26,4 @@ _EXPORTS = {
     "load_pretrained": "load",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    """The public names, imported on first use: ``ray-fsdp plan`` imports
-    :mod:`.shapes` and :mod:`.check` without the loader's torch."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)  # plan imports .shapes and .check without torch

@@ -142,7 +142,12 @@ class ModelConfig:
         ]
         layers = [(f"layers.{i}.{n}", s) for i in range(self.n_layers) for n, s in block]
         head = [] if self.tie_embeddings else [("output.weight", (self.vocab_size, d))]
-        return [("tok_embeddings.weight", (self.vocab_size, d)), *layers, ("norm.weight", (d,)), *head]
+        return [
+            ("tok_embeddings.weight", (self.vocab_size, d)),
+            *layers,
+            ("norm.weight", (d,)),
+            *head,
+        ]
 
     def activation_shape(self, micro_batch_size: int) -> ActivationShape:
         """What the activation estimate needs of this model and a micro-batch."""

@@ -27,9 +27,9 @@ LORA = LoraOptions(r=4, target_modules=("q_proj", "v_proj", "o_proj"))
 def save_checkpoint(case: str, path) -> str:
     source, name, kwargs = CASES[case]
     if source == "tiny":
-        from ray_fsdp_backend.trainer.tiny_pretrained import tiny_config
-
         import transformers as tf
+
+        from ray_fsdp_backend.trainer.tiny_pretrained import tiny_config
 
         model = tf.AutoModelForCausalLM.from_config(tiny_config(name, **kwargs))
         model.save_pretrained(path, max_shard_size="20KB")

@@ -301,7 +301,9 @@ def test_plan_owners_from_shapes_equal_the_runtimes():
     configs = [
         ModelConfig(**PRESETS["small"]),
         ModelConfig(**PRESETS["1b"]),
-        ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=96, tie_embeddings=True),
+        ModelConfig(
+            dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=96, tie_embeddings=True
+        ),
     ]
     for cfg in configs:
         with torch.device("meta"):
