@@ -40,6 +40,7 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
     ``distributed`` section, for each cluster in ``node_counts`` (workers per
     node; ``validate`` and ``train`` pass ``[[n]]`` for each worker count
     ``n``, ``plan`` its nodes). Each message is said once."""
+    from ray_fsdp_backend.hf.shapes import read_local_shapes
     from ray_fsdp_backend.mesh import resolve_layout
     from ray_fsdp_backend.topology import CP_AXIS, SHARD_AXIS, topology_from_node_counts
 
@@ -47,7 +48,9 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
     ep, tp = dist.expert_parallel_size, dist.tensor_parallel_size
     if ep == 1 and tp == 1 and not quantized:
         return []
-    model = meta_model(model_cfg.pretrained)
+    # NF4's rule alone needs the linear weights' shapes: a local checkpoint's headers
+    shapes = read_local_shapes(model_cfg.pretrained) if ep == 1 and tp == 1 else None
+    model = meta_model(model_cfg.pretrained) if shapes is None else None
     errors: list[str] = []
     for counts in node_counts:
         shards = None
@@ -57,8 +60,11 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
             except ValueError:  # the layout's own error is reported by its check
                 continue
             shards = layout.size((SHARD_AXIS, CP_AXIS))
-        errors += [e for e in model_layout_errors(model, ep=ep, tp=tp, nf4_shards=shards)
-                   if e not in errors]  # fmt: skip
+        if shapes is not None:
+            found = nf4_weight_errors(shapes.nf4_weights(), shards) if shards else []
+        else:
+            found = model_layout_errors(model, ep=ep, tp=tp, nf4_shards=shards)
+        errors += [e for e in found if e not in errors]
     return errors
 
 
@@ -116,15 +122,23 @@ def nf4_errors(model: nn.Module, shards: int) -> list[str]:
     shard over ``shards`` FSDP ranks against NF4's blocks: the loader's rule."""
     from torch import nn
 
-    from ray_fsdp_backend.quantization import Target, nf4_shard_problems
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weights = [
+        (f"{name}.weight", tuple(module.weight.shape))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head and module.weight.ndim == 2
+    ]
+    return nf4_weight_errors(weights, shards)
+
+
+def nf4_weight_errors(weights: list[tuple[str, tuple[int, ...]]], shards: int) -> list[str]:
+    """:func:`nf4_errors` for the 2-D weights (name, shape) NF4 would quantise."""
+    from ray_fsdp_backend.nf4_shards import Target, nf4_shard_problems
+
     targets = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module is not head and module.weight.ndim == 2:
-            rows, cols = module.weight.shape
-            shard = (rows // shards if rows % shards == 0 else rows, cols)
-            targets.append(Target(f"{name}.weight", (rows, cols), shard, shards))
+    for name, (rows, cols) in weights:
+        shard = (rows // shards if rows % shards == 0 else rows, cols)
+        targets.append(Target(name, (rows, cols), shard, shards))
     problems = sorted(set(_collapse_text(p) for p in nf4_shard_problems(targets)))
     return [
         f"model.lora.base_quantization='nf4' over {shards} FSDP shard(s): {p}" for p in problems

@@ -79,6 +79,10 @@ class CheckpointShapes:
         names = self.config.get("architectures") or [self.config["model_type"]]
         return str(names[0])
 
+    def nf4_weights(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Name and shape of every linear weight NF4 quantises (all but the head)."""
+        return [(p.name, p.shape) for p in self.params if p.linear and p.module != HEAD]
+
     def linear_names(self) -> set[str]:
         """Last name part of every ``nn.Linear`` module (``lm_head`` included
         when tied: the module is there, its weight is the embedding's)."""

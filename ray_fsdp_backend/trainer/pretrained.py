@@ -136,7 +136,7 @@ class PretrainedModelConfig:
         itemsize = BASE_DTYPES[self.base_dtype][1]
         if self.lora is None or self.lora.base_quantization is None:
             return itemsize
-        from ray_fsdp_backend.quantization import nf4_bytes_per_param
+        from ray_fsdp_backend.nf4_shards import nf4_bytes_per_param
 
         sizes = _sizes(self.pretrained, self.lora)
         nf4, frozen = sizes["nf4_params"], sizes["frozen_params"]

@@ -75,3 +75,17 @@ def test_uncovered_checkpoints_fall_back(tmp_path):
     (tmp_path / "empty" / "config.json").write_text('{"model_type": "llama"}')
     assert read_local_shapes(str(tmp_path / "empty")) is None
     assert read_local_shapes("s3://bucket/llama") is None
+
+
+@pytest.mark.parametrize("case", ["llama", "llama_tied", "qwen3_moe"])
+def test_nf4_refusals_equal_the_meta_models(case, tmp_path):
+    """The static check's NF4 rule (``lora.base_quantization: nf4``) from the
+    header's linear weights: the meta model's refusals, at 1, 2 and 4 shards
+    (these tiny widths refuse at every count: the check has lines to compare)."""
+    from ray_fsdp_backend.hf.layout_check import meta_model, nf4_errors, nf4_weight_errors
+
+    path = save_checkpoint(case, tmp_path)
+    shapes, model = read_local_shapes(path), meta_model(path)
+    for shards in (1, 2, 4):
+        expected = nf4_errors(model, shards)
+        assert expected and nf4_weight_errors(shapes.nf4_weights(), shards) == expected

@@ -94,24 +94,29 @@ def lora_config(tmp_path_factory) -> str:
 
 
 def test_plan_and_validate_import_neither_torch_nor_ray(lora_config):
-    """And the check can fail: a pretrained plan with an NF4 base, run last,
-    imports torch and ``transformers`` (its NF4 layout rule runs on a meta
-    model, which refuses this tiny Llama's shards), never Ray."""
+    """And the check can fail: a pretrained plan under expert_parallel_size 2,
+    run last, imports torch and ``transformers`` (the expert rule runs on a
+    meta model, which refuses this dense Llama), never Ray. The NF4 rule reads
+    the headers (it refuses this tiny Llama's shards too: exit code 2)."""
     pretrained = [
         ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2"],
         ["plan", lora_config, "--nodes", "2", "--gpus-per-node", "4"],
         ["validate", lora_config],
-    ]
-    nf4 = ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2",
-           "--set", "model.lora.base_quantization=nf4"]  # fmt: skip
-    *results, last = run_cli([*COMMANDS, *pretrained, nf4])
+        ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2",
+         "--set", "model.lora.base_quantization=nf4"],
+    ]  # fmt: skip
+    ep = ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2",
+          "--set", "distributed.expert_parallel_size=2"]  # fmt: skip
+    *results, last = run_cli([*COMMANDS, *pretrained, ep])
     assert len(results) == len(COMMANDS) + len(pretrained)
-    for result in results:  # the first command to import one is named
+    assert results[-1]["code"] == 2  # refused: "base_quantization='nf4' over 2 FSDP shard(s)"
+    for result in results[:-1]:  # the first command to import one is named
         assert result["code"] == 0, result
         assert not result["imported"], (" ".join(result["args"]), result["imported"])
         if result["args"][0] == "plan":
             assert "per-GPU memory" in result["output"] or "MoE layers" in result["output"]
-    assert "lora:     frozen base 24,736" in results[-3]["output"], results[-3]["output"]
+    assert not results[-1]["imported"], results[-1]["imported"]
+    assert "lora:     frozen base 24,736" in results[-4]["output"], results[-4]["output"]
     assert "DMuon:    Newton–Schulz on 56 matrices" in results[len(COMMANDS) - 1]["output"]
     assert last["imported"] == ["torch", "transformers"], last["imported"]
 
