@@ -48,8 +48,11 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
     ep, tp = dist.expert_parallel_size, dist.tensor_parallel_size
     if ep == 1 and tp == 1 and not quantized:
         return []
-    # NF4's rule alone needs the linear weights' shapes: a local checkpoint's headers
-    shapes = read_local_shapes(model_cfg.pretrained) if ep == 1 and tp == 1 else None
+    # The expert and NF4 rules need shapes alone: a local checkpoint's headers
+    # (a dense model under ep > 1 is refused naming its class: the meta model's)
+    shapes = read_local_shapes(model_cfg.pretrained) if tp == 1 else None
+    if shapes is not None and ep > 1 and not shapes.expert_layers():
+        shapes = None
     model = meta_model(model_cfg.pretrained) if shapes is None else None
     errors: list[str] = []
     for counts in node_counts:
@@ -61,7 +64,8 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
                 continue
             shards = layout.size((SHARD_AXIS, CP_AXIS))
         if shapes is not None:
-            found = nf4_weight_errors(shapes.nf4_weights(), shards) if shards else []
+            found = expert_count_errors(shapes.expert_layers(), ep) if ep > 1 else []
+            found += nf4_weight_errors(shapes.nf4_weights(), shards) if shards else []
         else:
             found = model_layout_errors(model, ep=ep, tp=tp, nf4_shards=shards)
         errors += [e for e in found if e not in errors]
@@ -86,10 +90,21 @@ def expert_errors(model: nn.Module, ep: int) -> list[str]:
         plan = resolve_ep_plan(model, 1)
     except ValueError as exc:
         return [f"{key}: {str(exc).split(': ', 1)[-1]}"]
+    experts = {
+        name: model.get_submodule(name).num_experts
+        for name, style in plan.items()
+        if style == DISPATCH_STYLE
+    }
+    return expert_count_errors(experts, ep)
+
+
+def expert_count_errors(experts: dict[str, int], ep: int) -> list[str]:
+    """``ep`` against the expert count of each MoE layer (experts module
+    name -> count; one line per count that ``ep`` does not divide)."""
+    key = f"distributed.expert_parallel_size={ep}"
     layers: dict[int, list[str]] = {}
-    for name, style in plan.items():
-        if style == DISPATCH_STYLE:
-            layers.setdefault(model.get_submodule(name).num_experts, []).append(name)
+    for name, count in experts.items():
+        layers.setdefault(count, []).append(name)
     return [
         f"{key} does not divide the {count} experts of {_collapse(names)} "
         f"({len(names)} MoE layer{'s' * (len(names) > 1)}): every ep rank holds the same number "

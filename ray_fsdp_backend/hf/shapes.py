@@ -34,9 +34,10 @@ SINGLE_NAME = "model.safetensors"
 HEAD = "lm_head"
 EMBEDDING = "model.embed_tokens"
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
-_NOT_LINEAR = re.compile(r"\.experts\.\d+\.|\.mlp\.gate\.weight$")
-"""Per-expert keys (fused 3-D stacks in the model) and a MoE router's weight
-(a router module, not ``nn.Linear``)."""
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_ROUTER = ".mlp.gate.weight"
+"""A MoE router's weight: a router module, not ``nn.Linear`` (nor are the
+per-expert keys, :data:`_EXPERT`, fused into 3-D stacks in the model)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,18 @@ class CheckpointShapes:
         """Name and shape of every linear weight NF4 quantises (all but the head)."""
         return [(p.name, p.shape) for p in self.params if p.linear and p.module != HEAD]
 
+    def expert_layers(self) -> dict[str, int]:
+        """Each MoE layer's experts module (``model.layers.0.mlp.experts``) and
+        its expert count, from the per-expert keys; empty for a dense model."""
+        experts: dict[str, set[int]] = {}
+        for p in self.params:
+            found = _EXPERT.search(p.name)
+            if found is not None:
+                experts.setdefault(p.name[: found.start()] + ".experts", set()).add(
+                    int(found.group(1))
+                )
+        return {name: len(ids) for name, ids in experts.items()}
+
     def linear_names(self) -> set[str]:
         """Last name part of every ``nn.Linear`` module (``lm_head`` included
         when tied: the module is there, its weight is the embedding's)."""
@@ -115,7 +128,8 @@ def read_local_shapes(path: str) -> CheckpointShapes | None:
             for key in f.keys():
                 shape = tuple(f.get_slice(key).get_shape())
                 linear = key.endswith(".weight") and len(shape) == 2
-                linear = linear and key != f"{EMBEDDING}.weight" and not _NOT_LINEAR.search(key)
+                linear = linear and key != f"{EMBEDDING}.weight" and not key.endswith(_ROUTER)
+                linear = linear and not _EXPERT.search(key)
                 params.append(ParamShape(key, shape, linear))
     return CheckpointShapes(config, tuple(params))
 

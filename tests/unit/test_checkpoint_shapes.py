@@ -89,3 +89,16 @@ def test_nf4_refusals_equal_the_meta_models(case, tmp_path):
     for shards in (1, 2, 4):
         expected = nf4_errors(model, shards)
         assert expected and nf4_weight_errors(shapes.nf4_weights(), shards) == expected
+
+
+def test_expert_refusals_equal_the_meta_models(tmp_path):
+    """The static check's expert rule (``expert_parallel_size`` against every
+    MoE layer's experts) from the per-expert keys: the meta model's lines."""
+    from ray_fsdp_backend.hf.layout_check import expert_count_errors, expert_errors, meta_model
+
+    path = save_checkpoint("qwen3_moe", tmp_path)
+    layers = read_local_shapes(path).expert_layers()
+    assert layers == {f"model.layers.{i}.mlp.experts": 4 for i in range(2)}
+    for ep in (2, 3, 8):
+        assert expert_count_errors(layers, ep) == expert_errors(meta_model(path), ep), ep
+    assert expert_count_errors(layers, 3)  # the case compared refuses
