@@ -8,6 +8,7 @@ command reads a config (``plan`` / ``validate`` import no torch).
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 
@@ -25,3 +26,18 @@ def keep_torchao_unimported() -> None:
     ``importlib.util.find_spec`` then answers None, so transformers sees no
     torchao. Does nothing once ``torchao`` is imported."""
     sys.modules.setdefault("torchao", None)
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's ``__getattr__`` (PEP 562) that imports each public name's
+    submodule on first use: ``exports`` maps a name to its submodule. A
+    package whose ``__init__`` imported its torch-heavy submodules would
+    make ``plan`` import torch through any of its torch-free ones
+    (``hf.shapes``, ``dmuon.plan``)."""
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+
+    return __getattr__

@@ -227,28 +227,23 @@ def format_dmuon(
     spec: RunSpec, shard_size: int, tp: int = 1, moe: MoEModel | None = None, ep: int = 1
 ) -> list[str]:
     """DMuon's owners and Newton–Schulz critical path for the trainer's model
-    (built on meta; a pretrained one from its ``config.json`` alone), as the
-    trainer plans them, and its expert matrices (orthogonalised where they
+    as the trainer plans them (the example decoder's from its config's
+    shapes, no torch; a pretrained one's on a meta model built from its
+    ``config.json``), and its expert matrices (orthogonalised where they
     live). With ``moe`` (``--hf-config``) the routers replace the dense
     MLPs of its MoE layers and its experts are the stacks (shared experts
     are not counted)."""
-    import torch
-
     from ray_fsdp_backend.dmuon.plan import format_ns_schedule
-    from ray_fsdp_backend.dmuon.selection import dedicated_specs, dedicated_stacks
-    from ray_fsdp_backend.dmuon.stacks import format_stack_lines
-    from ray_fsdp_backend.dmuon.tensor_parallel import format_tp_traffic
+    from ray_fsdp_backend.dmuon.report import format_stack_lines, format_tp_traffic
 
     if isinstance(spec.model, ModelConfig):
-        from ray_fsdp_backend.trainer.model import Transformer
-
-        with torch.device("meta"):
-            model = Transformer(spec.model)
+        specs, stacks = _decoder_matrices(spec.model), []
     else:
+        from ray_fsdp_backend.dmuon.selection import dedicated_specs, dedicated_stacks
         from ray_fsdp_backend.hf.models import build_causal_lm
 
         model = build_causal_lm(spec.model.pretrained)
-    specs, stacks = dedicated_specs(model), dedicated_stacks(model)
+        specs, stacks = dedicated_specs(model), dedicated_stacks(model)
     if moe is not None:
         specs, stacks = _moe_matrices(specs, moe)
     return (
@@ -256,6 +251,15 @@ def format_dmuon(
         + format_tp_traffic([m.shape for m in specs], tp, shard_size)
         + format_stack_lines(stacks, ep, shard_size // ep)
     )
+
+
+def _decoder_matrices(model: ModelConfig) -> list:
+    """The example decoder's dedicated matrices, from its parameter shapes:
+    its blocks are ``layers.*``, its embedding ``tok_embeddings``."""
+    from ray_fsdp_backend.dmuon.plan import dedicated_from_shapes
+
+    blocks = [f"layers.{i}" for i in range(model.n_layers)]
+    return dedicated_from_shapes(model.parameter_shapes(), blocks, ["tok_embeddings.weight"])
 
 
 def _moe_matrices(specs: list, moe: MoEModel) -> tuple[list, list[tuple[int, int, int]]]:

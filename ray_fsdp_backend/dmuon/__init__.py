@@ -21,17 +21,17 @@ keyed by parameter name; they load at any world size.
 
 from __future__ import annotations
 
-from ray_fsdp_backend.dmuon.newton_schulz import zeropower_via_newtonschulz
-from ray_fsdp_backend.dmuon.optimizer import ADAMW_GROUP, MUON_GROUP, DMuonStepStats, Muon
-from ray_fsdp_backend.dmuon.plan import MatrixSpec, OwnershipPlan, compute_ownership_plan
+from ray_fsdp_backend.optional_imports import lazy_exports
 
-__all__ = [
-    "ADAMW_GROUP",
-    "MUON_GROUP",
-    "DMuonStepStats",
-    "MatrixSpec",
-    "Muon",
-    "OwnershipPlan",
-    "compute_ownership_plan",
-    "zeropower_via_newtonschulz",
-]
+_EXPORTS = {
+    "ADAMW_GROUP": "optimizer",
+    "MUON_GROUP": "optimizer",
+    "DMuonStepStats": "optimizer",
+    "MatrixSpec": "plan",
+    "Muon": "optimizer",
+    "OwnershipPlan": "plan",
+    "compute_ownership_plan": "plan",
+    "zeropower_via_newtonschulz": "newton_schulz",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)  # plan imports .plan and .report without torch

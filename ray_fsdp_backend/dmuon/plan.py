@@ -49,6 +49,45 @@ class MatrixSpec:
     shape: tuple[int, int]
 
 
+def is_default_dedicated(
+    ndim: int,
+    *,
+    in_block: bool,
+    embedding: bool = False,
+    expert_stack: bool = False,
+    expert_bias: bool = False,
+) -> bool:
+    """DMuon's default choice for one parameter, from where it lives: a 2-D
+    weight inside a block that is no embedding table, or an experts module's
+    3-D weight stack (one matrix per expert). Everything else (outside the
+    blocks, norms, biases, an experts module's bias stacks) goes to AdamW.
+    The runtime (:func:`~ray_fsdp_backend.dmuon.selection.default_dedicated`)
+    and ``plan`` (:func:`dedicated_from_shapes`) both decide with this."""
+    if not in_block or expert_bias:
+        return False
+    return expert_stack or (ndim == 2 and not embedding)
+
+
+def dedicated_from_shapes(
+    params: Sequence[tuple[str, tuple[int, ...]]],
+    block_prefixes: Sequence[str],
+    embeddings: Sequence[str] = (),
+) -> list[MatrixSpec]:
+    """The 2-D matrices Muon orthogonalises among ``params`` (name, shape in
+    model order; a model without expert stacks), the blocks being the
+    modules named ``block_prefixes`` and ``embeddings`` the embedding tables'
+    parameter names: what ``dedicated_specs`` returns for the built model."""
+    prefixes = tuple(p + "." for p in block_prefixes)
+    return [
+        MatrixSpec(name, shape)
+        for name, shape in params
+        if len(shape) == 2
+        and is_default_dedicated(
+            len(shape), in_block=name.startswith(prefixes), embedding=name in embeddings
+        )
+    ]
+
+
 def ns_cost(shape: tuple[int, int], ns_steps: int = 5) -> int:
     """Multiply-adds of ``ns_steps`` quintic Newton–Schulz iterations on a
     matrix of ``shape``: each step forms the m x m Gram matrix (m = the smaller

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ray_fsdp_backend.dmuon.plan import MatrixSpec
+from ray_fsdp_backend.dmuon.plan import MatrixSpec, is_default_dedicated
 from ray_fsdp_backend.dmuon.stacks import STACK_NDIM, is_expert_stack
 from ray_fsdp_backend.strategies.blocks import find_blocks
 
@@ -40,7 +40,9 @@ def default_dedicated(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
     """The default choice: 2-D weights inside a block, except embedding
     tables, and the 3-D weights of experts modules (every expert's matrix).
     Embeddings, the output head, norms and biases (outside blocks or not
-    2-D; an experts module's 2-D bias stacks included) go to AdamW."""
+    2-D; an experts module's 2-D bias stacks included) go to AdamW
+    (:func:`~ray_fsdp_backend.dmuon.plan.is_default_dedicated`, which
+    ``plan`` applies to shapes)."""
     prefixes = tuple(p + "." for p in block_prefixes(model))
     embeddings = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
@@ -48,9 +50,13 @@ def default_dedicated(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
     stacks, bias_stacks = expert_stacks(model)
 
     def is_dedicated(name: str, param: nn.Parameter) -> bool:
-        if not name.startswith(prefixes) or id(param) in bias_stacks:
-            return False
-        return id(param) in stacks or (param.ndim == 2 and id(param) not in embeddings)
+        return is_default_dedicated(
+            param.ndim,
+            in_block=name.startswith(prefixes),
+            embedding=id(param) in embeddings,
+            expert_stack=id(param) in stacks,
+            expert_bias=id(param) in bias_stacks,
+        )
 
     return is_dedicated
 

@@ -26,8 +26,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ray_fsdp_backend.dmuon.plan import ns_cost
-
 STACK_NDIM = 3
 """A dedicated parameter of this many dims is a stack of matrices on dim 0."""
 
@@ -80,23 +78,3 @@ def orthogonalize_stacks(
         for k, piece in zip(ks, pieces, strict=True):
             out[k] = piece
     return out
-
-
-def format_stack_lines(stacks: Sequence[tuple[int, int, int]], ep: int, efsdp: int) -> list[str]:
-    """``ray-fsdp plan``'s line on DMuon's stacked (expert) matrices:
-    orthogonalised where they live (``ep`` x ``efsdp`` ranks split each
-    stack by expert), so no exchange, and the Newton–Schulz work per rank."""
-    if not stacks:
-        return []
-    count = sum(n for n, _, _ in stacks)
-    held = [-(-(n // ep) // efsdp) for n, _, _ in stacks]  # torch.chunk of n / ep over efsdp
-    total, busiest = (
-        2 * sum(k * ns_cost((r, c)) for k, (_, r, c) in zip(ks, stacks, strict=True)) / 1e12
-        for ks in ([n for n, _, _ in stacks], held)
-    )
-    return [
-        f"  experts        {count:,} expert matrices in {len(stacks)} stacks, {total:,.2f} "
-        f"TFLOP per step ({busiest:,.2f} on the busiest rank), each orthogonalised by the "
-        f"rank holding it (ep={ep} x efsdp={efsdp} split every stack by expert, at most "
-        f"{max(held)} of a stack per rank): no exchange, 0 B over ep or efsdp",
-    ]

@@ -124,20 +124,3 @@ def orthogonalize_whole(
         result = results[whole_shape][j]
         out[shape][k] = result if dim is None else result.chunk(split.size, dim=dim)[split.rank]
     return out
-
-
-def format_tp_traffic(
-    matrices: Sequence[tuple[int, int]], tp: int, num_ranks: int, itemsize: int = 2
-) -> list[str]:
-    """``ray-fsdp plan``'s line on what TP adds to DMuon per step: the TP
-    blocks each owner gathers (``matrices`` are whole shapes, ``num_ranks``
-    the owners' group, ``itemsize`` the bytes of ``ns_dtype``) and the
-    Newton–Schulz repeated on every rank of a tp group."""
-    if tp == 1 or not matrices:
-        return []
-    gathered = sum(rows * cols for rows, cols in matrices) * (tp - 1) / tp / num_ranks
-    return [
-        f"  tp {tp}           owners all-gather the other TP blocks of their matrices: "
-        f"{gathered * itemsize / 2**20:,.1f} MiB per rank per step in bf16 (inside a node); "
-        f"Newton–Schulz runs on each of the {tp} ranks of a tp group"
-    ]

@@ -13,18 +13,17 @@
 - :mod:`.check`: :func:`check_pretrained`, a checkpoint's existence and LoRA
   targets, from the driver before anything starts.
 - :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
+- :mod:`.shapes`: a local checkpoint's parameter shapes, for ``plan`` (no torch).
 """
 
-from ray_fsdp_backend.hf.check import check_pretrained
-from ray_fsdp_backend.hf.export import export_model
-from ray_fsdp_backend.hf.load import load_pretrained
-from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
-from ray_fsdp_backend.hf.target import ExportTargetError
+from ray_fsdp_backend.optional_imports import lazy_exports
 
-__all__ = [
-    "ExportTargetError",
-    "PretrainedCheckpointError",
-    "check_pretrained",
-    "export_model",
-    "load_pretrained",
-]
+_EXPORTS = {
+    "ExportTargetError": "target",
+    "PretrainedCheckpointError": "reader",
+    "check_pretrained": "check",
+    "export_model": "export",
+    "load_pretrained": "load",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)  # plan imports .shapes and .check without torch

@@ -11,7 +11,10 @@ before ``TorchTrainer.fit()``::
         raise SystemExit("\\n".join(errors))
 
 It reads ``config.json`` only (through ``pyarrow.fs``: a local directory or
-an object store URI) and builds the model on the meta device: no weights.
+an object store URI) and builds the model on the meta device: no weights. A
+local checkpoint of a family :mod:`~ray_fsdp_backend.hf.shapes` covers is
+checked from its ``config.json`` and safetensors headers instead, without
+torch or ``transformers`` (``plan`` and ``validate`` in well under 2 s).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
-from torch import nn
 
 from ray_fsdp_backend.filesystem import resolve_filesystem
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def check_pretrained(
@@ -51,6 +57,11 @@ def check_pretrained(
         return [f"{key}={text!r}: directory not found"]
     if found[posixpath.join(root, "config.json")] != pafs.FileType.File:
         return [f"{key}={text!r}: config.json not found in it (a Hugging Face checkpoint has one)"]
+    from ray_fsdp_backend.hf.shapes import read_local_shapes
+
+    shapes = read_local_shapes(text) if filesystem is None else None
+    if shapes is not None:  # a covered family: transformers knows its model_type
+        return linear_name_errors(shapes.model_class, shapes.linear_names(), lora_targets or ())
     from ray_fsdp_backend.hf.models import build_causal_lm
 
     try:
@@ -91,15 +102,23 @@ def lora_target_errors(base: nn.Module, targets: Sequence[str]) -> list[str]:
     """One message when a LoRA target names no linear layer of ``base`` (the
     key ``model.lora.target_modules``, its value and the layers there are)."""
     linear = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if _is_linear(m)}
+    return linear_name_errors(type(base).__name__, linear, targets)
+
+
+def linear_name_errors(model: str, linear: set[str], targets: Sequence[str]) -> list[str]:
+    """One message when a LoRA target is not among ``linear``, the last name
+    parts of ``model``'s linear layers."""
     missing = [t for t in targets if t not in linear]
     if not missing:
         return []
     return [
         f"model.lora.target_modules={list(targets)!r}: {missing} match no linear layer of "
-        f"{type(base).__name__}; its linear layers are {sorted(linear)}"
+        f"{model}; its linear layers are {sorted(linear)}"
     ]
 
 
 def _is_linear(module: nn.Module) -> bool:
+    from torch import nn
+
     # transformers' GPT-2 uses Conv1D, a linear layer under another name.
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"

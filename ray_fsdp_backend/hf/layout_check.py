@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a rule needs the meta model
+    from torch import nn
 
 
 def model_layout_errors(
@@ -38,6 +40,7 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
     ``distributed`` section, for each cluster in ``node_counts`` (workers per
     node; ``validate`` and ``train`` pass ``[[n]]`` for each worker count
     ``n``, ``plan`` its nodes). Each message is said once."""
+    from ray_fsdp_backend.hf.shapes import read_local_shapes
     from ray_fsdp_backend.mesh import resolve_layout
     from ray_fsdp_backend.topology import CP_AXIS, SHARD_AXIS, topology_from_node_counts
 
@@ -45,7 +48,12 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
     ep, tp = dist.expert_parallel_size, dist.tensor_parallel_size
     if ep == 1 and tp == 1 and not quantized:
         return []
-    model = meta_model(model_cfg.pretrained)
+    # The expert and NF4 rules need shapes alone: a local checkpoint's headers
+    # (a dense model under ep > 1 is refused naming its class: the meta model's)
+    shapes = read_local_shapes(model_cfg.pretrained) if tp == 1 else None
+    if shapes is not None and ep > 1 and not shapes.expert_layers():
+        shapes = None
+    model = meta_model(model_cfg.pretrained) if shapes is None else None
     errors: list[str] = []
     for counts in node_counts:
         shards = None
@@ -55,8 +63,12 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
             except ValueError:  # the layout's own error is reported by its check
                 continue
             shards = layout.size((SHARD_AXIS, CP_AXIS))
-        errors += [e for e in model_layout_errors(model, ep=ep, tp=tp, nf4_shards=shards)
-                   if e not in errors]  # fmt: skip
+        if shapes is not None:
+            found = expert_count_errors(shapes.expert_layers(), ep) if ep > 1 else []
+            found += nf4_weight_errors(shapes.nf4_weights(), shards) if shards else []
+        else:
+            found = model_layout_errors(model, ep=ep, tp=tp, nf4_shards=shards)
+        errors += [e for e in found if e not in errors]
     return errors
 
 
@@ -78,10 +90,21 @@ def expert_errors(model: nn.Module, ep: int) -> list[str]:
         plan = resolve_ep_plan(model, 1)
     except ValueError as exc:
         return [f"{key}: {str(exc).split(': ', 1)[-1]}"]
+    experts = {
+        name: model.get_submodule(name).num_experts
+        for name, style in plan.items()
+        if style == DISPATCH_STYLE
+    }
+    return expert_count_errors(experts, ep)
+
+
+def expert_count_errors(experts: dict[str, int], ep: int) -> list[str]:
+    """``ep`` against the expert count of each MoE layer (experts module
+    name -> count; one line per count that ``ep`` does not divide)."""
+    key = f"distributed.expert_parallel_size={ep}"
     layers: dict[int, list[str]] = {}
-    for name, style in plan.items():
-        if style == DISPATCH_STYLE:
-            layers.setdefault(model.get_submodule(name).num_experts, []).append(name)
+    for name, count in experts.items():
+        layers.setdefault(count, []).append(name)
     return [
         f"{key} does not divide the {count} experts of {_collapse(names)} "
         f"({len(names)} MoE layer{'s' * (len(names) > 1)}): every ep rank holds the same number "
@@ -112,15 +135,25 @@ def tensor_parallel_shape_errors(model: nn.Module, tp: int) -> list[str]:
 def nf4_errors(model: nn.Module, shards: int) -> list[str]:
     """Every linear weight NF4 would quantise (all but the output head), its
     shard over ``shards`` FSDP ranks against NF4's blocks: the loader's rule."""
-    from ray_fsdp_backend.quantization import Target, nf4_shard_problems
+    from torch import nn
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weights = [
+        (f"{name}.weight", tuple(module.weight.shape))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head and module.weight.ndim == 2
+    ]
+    return nf4_weight_errors(weights, shards)
+
+
+def nf4_weight_errors(weights: list[tuple[str, tuple[int, ...]]], shards: int) -> list[str]:
+    """:func:`nf4_errors` for the 2-D weights (name, shape) NF4 would quantise."""
+    from ray_fsdp_backend.nf4_shards import Target, nf4_shard_problems
+
     targets = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module is not head and module.weight.ndim == 2:
-            rows, cols = module.weight.shape
-            shard = (rows // shards if rows % shards == 0 else rows, cols)
-            targets.append(Target(f"{name}.weight", (rows, cols), shard, shards))
+    for name, (rows, cols) in weights:
+        shard = (rows // shards if rows % shards == 0 else rows, cols)
+        targets.append(Target(name, (rows, cols), shard, shards))
     problems = sorted(set(_collapse_text(p) for p in nf4_shard_problems(targets)))
     return [
         f"model.lora.base_quantization='nf4' over {shards} FSDP shard(s): {p}" for p in problems

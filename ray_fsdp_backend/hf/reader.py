@@ -55,9 +55,8 @@ from ray_fsdp_backend.hf.safetensors_io import (
     parse_header,
     to_torch_dtype,
 )
+from ray_fsdp_backend.hf.shapes import INDEX_NAME, SINGLE_NAME  # noqa: F401 (re-exported)
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 # Small files beside the weights: configs, tokenizer, chat template.
 METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 READ_CONCURRENCY = 32  # requests in flight per rank (object storage: latency-bound)

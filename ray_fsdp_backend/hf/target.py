@@ -26,11 +26,8 @@ from __future__ import annotations
 import posixpath
 
 import pyarrow.fs as pafs
-import torch.distributed as dist
 
-from ray_fsdp_backend.collectives import broadcast_from_rank0, raise_if_any_failed
-from ray_fsdp_backend.hf.reader import SINGLE_NAME
-from ray_fsdp_backend.hf.writer import write_bytes
+from ray_fsdp_backend.hf.shapes import SINGLE_NAME
 
 _MARKER = ".export-rank-"
 """Prefix of the per-rank visibility markers (removed after the check)."""
@@ -60,7 +57,7 @@ def check_target(fs: pafs.FileSystem, root: str, overwrite: bool, uri: str) -> N
                 "weights, or choose an empty path"
             )
 
-    broadcast_from_rank0(check)
+    _on_rank0(check)
 
 
 def target_entries(fs: pafs.FileSystem, root: str) -> list[str]:
@@ -87,6 +84,11 @@ def check_shared(fs: pafs.FileSystem, root: str, uri: str) -> None:
     """Refuse a ``root`` that not every rank sees: each rank writes a marker
     there, rank 0 lists ``root`` and looks for all of them. The markers are
     removed before returning."""
+    import torch.distributed as dist
+
+    from ray_fsdp_backend.collectives import raise_if_any_failed
+    from ray_fsdp_backend.hf.writer import write_bytes
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -110,7 +112,7 @@ def check_shared(fs: pafs.FileSystem, root: str, uri: str) -> None:
             )
 
     try:
-        broadcast_from_rank0(look)
+        _on_rank0(look)
     finally:
         _remove(fs, marker)
 
@@ -136,7 +138,7 @@ def verify_files(
                 "filesystem or an object-store URI"
             )
 
-    broadcast_from_rank0(verify)
+    _on_rank0(verify)
 
 
 def remove_stale(fs: pafs.FileSystem, root: str, keep: set[str]) -> None:
@@ -149,7 +151,16 @@ def remove_stale(fs: pafs.FileSystem, root: str, keep: set[str]) -> None:
         for name in sorted(stale, key=lambda n: n == SINGLE_NAME):
             fs.delete_file(posixpath.join(root, name))
 
-    broadcast_from_rank0(remove)
+    _on_rank0(remove)
+
+
+def _on_rank0(fn) -> None:
+    """``fn`` on rank 0, its error raised on every rank
+    (:func:`~ray_fsdp_backend.collectives.broadcast_from_rank0`, imported on
+    use: ``plan`` reads :func:`target_entries` without torch)."""
+    from ray_fsdp_backend.collectives import broadcast_from_rank0
+
+    broadcast_from_rank0(fn)
 
 
 def _infos(fs: pafs.FileSystem, root: str) -> list[pafs.FileInfo]:

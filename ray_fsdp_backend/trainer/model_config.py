@@ -125,6 +125,30 @@ class ModelConfig:
         """Parameters in the blocks' 2-D weights: those Muon orthogonalises."""
         return self.n_layers * (self.block_params() - 2 * self.dim)
 
+    def parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Name and shape of every parameter of
+        :class:`~ray_fsdp_backend.trainer.model.Transformer`, in its
+        ``named_parameters()`` order (a tied head once, as the embedding):
+        what ``plan`` chooses DMuon's owners from without building it."""
+        d, kv, h = self.dim, self.kv_heads * self.head_dim, self.hidden
+        block = [
+            ("attention_norm.weight", (d,)),
+            *((f"attention.{w}.weight", (n, d)) for w, n in (("wq", d), ("wk", kv), ("wv", kv))),
+            ("attention.wo.weight", (d, d)),
+            ("ffn_norm.weight", (d,)),
+            ("feed_forward.w1.weight", (h, d)),
+            ("feed_forward.w3.weight", (h, d)),
+            ("feed_forward.w2.weight", (d, h)),
+        ]
+        layers = [(f"layers.{i}.{n}", s) for i in range(self.n_layers) for n, s in block]
+        head = [] if self.tie_embeddings else [("output.weight", (self.vocab_size, d))]
+        return [
+            ("tok_embeddings.weight", (self.vocab_size, d)),
+            *layers,
+            ("norm.weight", (d,)),
+            *head,
+        ]
+
     def activation_shape(self, micro_batch_size: int) -> ActivationShape:
         """What the activation estimate needs of this model and a micro-batch."""
         return ActivationShape(

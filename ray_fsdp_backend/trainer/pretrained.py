@@ -15,8 +15,9 @@ wraps it, loads the weights shard by shard
 (:func:`~ray_fsdp_backend.hf.load_pretrained`) and tokenizes the
 corpus with the tokenizer saved beside the weights. With ``lora:`` it trains
 LoRA adapters on the frozen base (:mod:`ray_fsdp_backend.trainer.lora`).
-``ray-fsdp plan`` counts parameters on a meta-device model built from
-``config.json``: no weights read.
+``ray-fsdp plan`` counts parameters from a local checkpoint's safetensors
+headers (:mod:`~ray_fsdp_backend.hf.shapes`), else on a meta-device model
+built from ``config.json``: no weights read.
 ``transformers`` and torch are imported on use only: reading the section
 (``validate``, ``plan`` without a checkpoint to count) imports neither.
 """
@@ -135,7 +136,7 @@ class PretrainedModelConfig:
         itemsize = BASE_DTYPES[self.base_dtype][1]
         if self.lora is None or self.lora.base_quantization is None:
             return itemsize
-        from ray_fsdp_backend.quantization import nf4_bytes_per_param
+        from ray_fsdp_backend.nf4_shards import nf4_bytes_per_param
 
         sizes = _sizes(self.pretrained, self.lora)
         nf4, frozen = sizes["nf4_params"], sizes["frozen_params"]
@@ -192,7 +193,17 @@ def build_model_section(values: dict[str, Any]):
 @functools.lru_cache(maxsize=8)
 def _sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
     """Parameter counts of the model ``config.json`` describes (with its
-    LoRA adapters), from a meta model (nothing allocated, no weights read)."""
+    LoRA adapters): from a local checkpoint's safetensors headers where
+    :func:`~ray_fsdp_backend.hf.shapes.read_local_shapes` covers it (no
+    torch), else :func:`meta_sizes`."""
+    from ray_fsdp_backend.hf.shapes import read_local_shapes, shape_sizes
+
+    shapes = read_local_shapes(path)
+    return shape_sizes(shapes, lora) if shapes is not None else meta_sizes(path, lora)
+
+
+def meta_sizes(path: str, lora: LoraOptions | None = None) -> dict[str, int]:
+    """:func:`_sizes` from a meta model (nothing allocated, no weights read)."""
     from ray_fsdp_backend.hf.models import build_causal_lm
     from ray_fsdp_backend.quantization import nf4_targets
     from ray_fsdp_backend.trainer.lora import apply_lora

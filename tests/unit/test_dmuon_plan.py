@@ -285,3 +285,30 @@ def test_plan_command_prints_owners_and_the_floor_at_256_ranks():
     assert "per rank       0-1 matrices" in text  # fewer matrices than ranks
     assert "critical path  2.81x the ideal" in text
     assert "one largest matrix (5504x2048) is 2.81x the ideal; the critical path is 1.00" in text
+
+
+def test_plan_owners_from_shapes_equal_the_runtimes():
+    """``plan`` chooses the example decoder's DMuon matrices from its config's
+    shapes (no torch); the same matrices, in the same order, as the runtime's
+    ``dedicated_specs`` on the built model, so the owners agree: untied and
+    tied heads, grouped-query attention, an explicit MLP width."""
+    from ray_fsdp_backend.dmuon.plan import compute_ownership_plan
+    from ray_fsdp_backend.dmuon.selection import dedicated_specs
+    from ray_fsdp_backend.plan_report import _decoder_matrices
+    from ray_fsdp_backend.trainer.model import Transformer
+    from ray_fsdp_backend.trainer.model_config import PRESETS, ModelConfig
+
+    configs = [
+        ModelConfig(**PRESETS["small"]),
+        ModelConfig(**PRESETS["1b"]),
+        ModelConfig(
+            dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=96, tie_embeddings=True
+        ),
+    ]
+    for cfg in configs:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == cfg.parameter_shapes()
+        runtime, planned = dedicated_specs(model), _decoder_matrices(cfg)
+        assert planned == runtime and len(planned) == 7 * cfg.n_layers
+        assert compute_ownership_plan(planned, 8) == compute_ownership_plan(runtime, 8)

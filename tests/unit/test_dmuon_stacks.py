@@ -12,8 +12,9 @@ import torch
 
 from ray_fsdp_backend import dmuon
 from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.dmuon.report import format_stack_lines
 from ray_fsdp_backend.dmuon.selection import dedicated_specs, dedicated_stacks, select_parameters
-from ray_fsdp_backend.dmuon.stacks import format_stack_lines, orthogonalize_stacks
+from ray_fsdp_backend.dmuon.stacks import orthogonalize_stacks
 
 transformers = pytest.importorskip("transformers")
 HYPER = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.1)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from ray_fsdp_backend.dmuon.tensor_parallel import TensorSplit, format_tp_traffic
+from ray_fsdp_backend.dmuon.report import format_tp_traffic
+from ray_fsdp_backend.dmuon.tensor_parallel import TensorSplit
 
 
 def test_block_shapes_follow_the_split_dimension():

@@ -1,12 +1,14 @@
 """``ray-fsdp plan`` and ``validate`` start in well under 2 s: they import
-neither torch (about 4 s here) nor Ray (about 2.5 s) where the answer needs
-neither (docs/parallelism.md, "Planning a layout").
+neither torch (about 4 s here), ``transformers`` nor Ray (about 2.5 s) where
+the answer needs none of them (docs/parallelism.md, "Planning a layout").
 
 Each command runs in a fresh interpreter that reports what it imported, so
 a module-level ``import torch`` (or ``import ray``) added anywhere on these
-paths fails here, without any timing. The DMuon plan (owners chosen on a
-meta-device model) and pretrained checkpoints (counted on one, read by
-``transformers``) do need torch and are left out; they still never import Ray.
+paths fails here, without any timing. Covered: the example decoder (DMuon's
+owners included, chosen from its shapes), ``--hf-config`` shapes, and a
+local pretrained checkpoint with LoRA (counted from its safetensors headers).
+Left out, still importing torch (never Ray): a pretrained checkpoint's
+layout rules under tp, ep or NF4, and its DMuon plan (a meta model).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,10 +58,10 @@ COMMANDS = [
         *(f"examples/{name}.yaml" for name in _TORCH_FREE_EXAMPLES),
         "examples/dmuon.yaml",
     ],
+    ["plan", "examples/dmuon.yaml", "--nodes", "1", "--gpus-per-node", "8"],
 ]
 """Commands whose answer needs neither torch nor Ray: every example without a
-pretrained checkpoint (``plan`` of ``dmuon.yaml`` aside) and the 70B and
-Qwen3-MoE ``--hf-config`` shapes."""
+pretrained checkpoint and the 70B and Qwen3-MoE ``--hf-config`` shapes."""
 
 
 def run_cli(commands: list[list[str]]) -> list[dict]:
@@ -73,18 +78,47 @@ def run_cli(commands: list[list[str]]) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def test_plan_and_validate_import_neither_torch_nor_ray():
-    """And the check can fail: the DMuon plan, run last, imports torch (its
-    owners are chosen on a meta-device model), never Ray."""
-    dmuon = ["plan", "examples/dmuon.yaml", "--nodes", "1", "--gpus-per-node", "8"]
-    *results, last = run_cli([*COMMANDS, dmuon])
-    assert len(results) == len(COMMANDS)
-    for result in results:  # the first command to import one is named
+@pytest.fixture(scope="module")
+def lora_config(tmp_path_factory) -> str:
+    """``examples/finetune_lora.yaml`` on a tiny Llama checkpoint written here
+    (several safetensors files and an index, as ``save_pretrained`` writes)."""
+    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+
+    root = tmp_path_factory.mktemp("plan-imports")
+    doc = yaml.safe_load((REPO / "examples" / "finetune_lora.yaml").read_text())
+    doc["model"]["pretrained"] = save_tiny_pretrained("llama", root / "llama")
+    doc["model"]["export"] = str(root / "export")
+    path = root / "lora.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_plan_and_validate_import_neither_torch_nor_ray(lora_config):
+    """And the check can fail: a pretrained plan under expert_parallel_size 2,
+    run last, imports torch and ``transformers`` (the expert rule runs on a
+    meta model, which refuses this dense Llama), never Ray. The NF4 rule reads
+    the headers (it refuses this tiny Llama's shards too: exit code 2)."""
+    pretrained = [
+        ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2"],
+        ["plan", lora_config, "--nodes", "2", "--gpus-per-node", "4"],
+        ["validate", lora_config],
+        ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2",
+         "--set", "model.lora.base_quantization=nf4"],
+    ]  # fmt: skip
+    ep = ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2",
+          "--set", "distributed.expert_parallel_size=2"]  # fmt: skip
+    *results, last = run_cli([*COMMANDS, *pretrained, ep])
+    assert len(results) == len(COMMANDS) + len(pretrained)
+    assert results[-1]["code"] == 2  # refused: "base_quantization='nf4' over 2 FSDP shard(s)"
+    for result in results[:-1]:  # the first command to import one is named
         assert result["code"] == 0, result
         assert not result["imported"], (" ".join(result["args"]), result["imported"])
         if result["args"][0] == "plan":
             assert "per-GPU memory" in result["output"] or "MoE layers" in result["output"]
-    assert last["code"] == 0 and last["imported"] == ["torch"], last["imported"]
+    assert not results[-1]["imported"], results[-1]["imported"]
+    assert "lora:     frozen base 24,736" in results[-4]["output"], results[-4]["output"]
+    assert "DMuon:    Newton–Schulz on 56 matrices" in results[len(COMMANDS) - 1]["output"]
+    assert last["imported"] == ["torch", "transformers"], last["imported"]
 
 
 def test_train_gets_fsdp_config_plan_the_same_plain_settings():
