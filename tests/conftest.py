@@ -46,6 +46,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # No instance-metadata lookups from pyarrow's S3 client in this process or the
 # Ray workers it starts (a shared cluster may start before ``s3_server``).
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+# Ray Train's controller polls its workers every 2 s by default and notices a
+# finished, failed or killed worker group only at a poll: every fit waited
+# about 3 s for nothing (``docs/benchmarks.md``, the test suite's cost). Ray
+# hands this variable from the driver's environment to the controller; the
+# subprocess drivers (``ray-fsdp train``) inherit it. A poll that outlasts it
+# is waited for at the next one (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``,
+# 10 min, decides when a worker is dead), so no test depends on its value.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 #: Logical CPUs of the shared cluster: 4 Train workers plus one for Ray Data tasks.
 RAY_CPUS = 5

@@ -196,9 +196,8 @@ def test_elastic_runs_at_tp_1_and_2_shrink_grow_and_match_a_fixed_size_run(tmp_p
     # nodes' resources are either there or gone, so 15 s is ample. Set before
     # the nodes start: the Train controller reads it from its environment.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
-    # The controller polls its workers every 2 s by default: each node change
-    # and each finished attempt waits for a poll.
-    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1")
+    # Each node change and each finished attempt waits for the controller's
+    # next poll of its workers: every 0.25 s in the tests (tests/conftest.py).
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     ray.init(address=cluster.address, log_to_driver=False)
     try:
