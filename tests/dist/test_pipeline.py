@@ -27,6 +27,7 @@ from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.sequence import shift_labels
 from ray_fsdp_backend.pipeline import plan_stages
+from ray_fsdp_backend.pipeline.layout import stage_indices
 from ray_fsdp_backend.pipeline.step import pipeline_eval
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from ray_fsdp_backend.trainer.spec import load_spec
@@ -48,6 +49,7 @@ TRAIN_OVERRIDES = [
     "train.warmup_steps=1",
     "data.packing=true",
 ]
+V2 = {"pipeline_virtual_stages": 2}
 CASES = {
     "llama 1f1b": ("llama", "1f1b", 2),
     "llama gpipe": ("llama", "gpipe", 4),
@@ -59,15 +61,30 @@ CASES = {
     "decoder packed gpipe": ("decoder", "gpipe", 2, {}, True),
     "qwen2 1f1b": ("qwen2", "1f1b", 2),
     "mistral packed 1f1b": ("mistral", "1f1b", 2, {}, True),
+    # Two virtual stages per rank (4 stages over 2 ranks; 5 layers: stages of
+    # 2, 1, 1, 1): loop placement for the interleaved schedules, V shape for ZBV.
+    "llama interleaved_1f1b v2": ("llama", "interleaved_1f1b", 2, V2, False, 4),
+    "decoder packed interleaved_1f1b v2": ("decoder", "interleaved_1f1b", 4, V2, True, 5),
+    "llama interleaved_zero_bubble v2": ("llama", "interleaved_zero_bubble", 2, V2, False, 4),
+    "decoder packed interleaved_zero_bubble v2": (
+        "decoder",
+        "interleaved_zero_bubble",
+        2,
+        V2,
+        True,
+        5,
+    ),
+    "llama zbv_zero_bubble v2": ("llama", "zbv_zero_bubble", 2, V2, False, 4),
+    "decoder packed zbv_zero_bubble v2": ("decoder", "zbv_zero_bubble", 4, V2, True, 5),
 }
 
 
-def _model(family: str) -> torch.nn.Module:
+def _model(family: str, layers: int = 3) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "decoder":
         cfg = ModelConfig(
             dim=32,
-            n_layers=3,
+            n_layers=layers,
             n_heads=4,
             n_kv_heads=2,
             seq_len=SEQ,
@@ -79,7 +96,7 @@ def _model(family: str) -> torch.nn.Module:
 
     if family == "llama":
         config = tiny_config("llama")
-        config.num_hidden_layers = 3
+        config.num_hidden_layers = layers
     else:  # sliding windows (6) shorter than SEQ, so their masks matter
         from tests.zoo_families import family_config
 
@@ -147,10 +164,12 @@ def _held_out(model, packed: bool) -> float:
         return float(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"))
 
 
-def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
+def _expected_names(full: torch.nn.Module, indices: tuple[int, ...], count: int) -> set[str]:
+    """The parameters a rank holding stages ``indices`` of ``count`` keeps."""
     layers = [n for n in dict(full.named_modules()) if n.endswith("layers")][0]
-    plan = plan_stages(3, 2)[stage]
-    held = {f"{layers}.{i}." for i in plan.layers}
+    plans = plan_stages(len(full.get_submodule(layers)), count)
+    held = {f"{layers}.{i}." for s in indices for i in plans[s].layers}
+    first, last = 0 in indices, count - 1 in indices
     names = set()
     for name, _ in full.named_parameters():
         in_layers = name.startswith(f"{layers}.")
@@ -160,18 +179,23 @@ def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
         if in_layers:
             keep = any(name.startswith(h) for h in held)
         elif "embed" in name:
-            keep = plan.first
+            keep = first
         else:
-            keep = plan.last and head
+            keep = last and head
         if keep:
             names.add(name)
     return names
 
 
 def _run_case(
-    family: str, schedule: str, micro: int, extra: dict | None = None, packed: bool = False
+    family: str,
+    schedule: str,
+    micro: int,
+    extra: dict | None = None,
+    packed: bool = False,
+    layers: int = 3,
 ) -> dict:
-    full = _model(family)
+    full = _model(family, layers)
     trained = copy.deepcopy(full)
     ref_losses, ref_norms, ref_params = _reference(trained, packed)
     ref_held_out = _held_out(trained, packed)
@@ -184,6 +208,8 @@ def _run_case(
         **(extra or {}),
     )
     ctx = setup_process_context(settings, torch.device("cpu"))
+    virtual = settings.pipeline_virtual_stages
+    held = stage_indices(ctx.pp_rank, 2, virtual, schedule)
     model = ctx.wrap(copy.deepcopy(full))
     names = {n for n, _ in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -213,7 +239,7 @@ def _run_case(
     return {
         "errors": errors,
         "params": params,
-        "names_ok": names == _expected_names(full, ctx.pp_rank),
+        "names_ok": names == _expected_names(full, held, 2 * virtual),
         "held": len(names),
         "all": len(ref_params),
     }
