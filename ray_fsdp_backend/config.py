@@ -570,7 +570,13 @@ def _check_expert_parallel(cfg: FSDPSettings) -> None:
         )
 
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+PIPELINE_SCHEDULES = (
+    "1f1b",
+    "gpipe",
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+)
 """``pipeline_schedule`` values (the first two: one stage per rank)."""
 
 

@@ -140,8 +140,9 @@ class TrainContext:
         ``tp_plan`` (``{module pattern: "colwise" | "rowwise" | ...}``) or the
         model's own plan; with ``pipeline_parallel_size > 1`` it is first cut
         to this rank's stage, or its ``pipeline_virtual_stages`` stages
-        (``ray_fsdp_backend.pipeline.split``: original parameter names kept); with ``context_parallel_size > 1`` its attention
-        becomes Ulysses (or ring) over the cp group. A transformers model runs without its cache on
+        (``ray_fsdp_backend.pipeline.split``: original parameter names kept);
+        with ``context_parallel_size > 1`` its attention becomes Ulysses (or
+        ring) over the cp group. A transformers model runs without its cache on
         every layout (``use_cache`` defaults to True even in train mode, and
         with a cache transformers builds no per-document mask from packed
         rows' ``position_ids``: they would attend across documents); its

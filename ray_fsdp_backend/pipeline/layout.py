@@ -86,7 +86,8 @@ def plan_stages(n_layers: int, stages: int, split: Sequence[int] | None = None) 
     """
     if stages > n_layers:
         raise ValueError(
-            f"pipeline_parallel_size={stages} exceeds the model's {n_layers} layers: "
+            f"{stages} pipeline stages (pipeline_parallel_size x pipeline_virtual_stages) "
+            f"exceeds the model's {n_layers} layers: "
             "every stage needs at least one layer"
         )
     if split is None:
@@ -125,7 +126,9 @@ SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 """Schedules with one stage per rank; the others take ``pipeline_virtual_stages``."""
 
 
-def schedule_errors(schedule: str, stages: int, virtual: int, microbatches: int | None) -> list[str]:
+def schedule_errors(
+    schedule: str, stages: int, virtual: int, microbatches: int | None
+) -> list[str]:
     """What torch 2.13's schedule ``schedule`` cannot run with ``stages``
     ranks (P), ``virtual`` stages per rank (V) and ``microbatches`` (M; None:
     P): one stage per rank for 1F1B and GPipe, V >= 2 for the interleaved
@@ -179,19 +182,32 @@ def bubble_fraction(
 
 
 def format_pipeline_plan(
-    stages: int, n_layers: int, schedule: str, microbatches: int | None, groups
+    stages: int,
+    n_layers: int,
+    schedule: str,
+    microbatches: int | None,
+    groups,
+    virtual: int = 1,
 ) -> list[str]:
-    """``ray-fsdp plan``'s pipeline lines: the stages' layers, the pp groups
-    (one rank of each stage) and the schedule's bubble."""
+    """``ray-fsdp plan``'s pipeline lines: the stages' layers (with virtual
+    stages, the stages each pipeline rank holds), the pp groups (one rank of
+    each stage) and the schedule's bubble."""
     micro = resolve_microbatches(microbatches, stages)
+    count = stages * virtual
+    plans = plan_stages(n_layers, count)
     parts = []
-    for plan in plan_stages(n_layers, stages):
+    for plan in plans:
         ends = ["embedding"] * plan.first + ["norm, head"] * plan.last
         extra = f" + {', '.join(ends)}" if ends else ""
         parts.append(f"{plan.stage}: layers {plan.layers[0]}-{plan.layers[-1]}{extra}")
+    held = ""
+    if virtual > 1:
+        ranks = [list(stage_indices(r, stages, virtual, schedule)) for r in range(stages)]
+        held = f"; pipeline rank r holds stages {dict(enumerate(ranks))}"
+    bubble = bubble_fraction(stages, micro, schedule, virtual)
     lines = [
-        f"pipeline: {stages} stages ({'; '.join(parts)}); {schedule}, {micro} micro-batches: "
-        f"bubble {bubble_fraction(stages, micro):.1%} of each step; each stage holds about "
+        f"pipeline: {count} stages ({'; '.join(parts)}){held}; {schedule}, {micro} "
+        f"micro-batches: bubble {bubble:.1%} of each step; each pipeline rank holds about "
         f"1/{stages} of the model state shown below",
         f"pp groups ({len(groups)}; activations to the next stage, gradients back):",
     ]
