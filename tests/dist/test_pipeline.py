@@ -3,7 +3,9 @@
 One spawned job on 4 ranks, mesh ``pp 2 x dp_shard 2``: a tiny
 transformers Llama and the built-in decoder, each with 3 layers (stages of 2
 and 1 layers), under the 1F1B and GPipe schedules; and the decoder at
-``pp 2 x tp 2``. Every rank holds only its stage's parameters, under their
+``pp 2 x tp 2``; with 2 virtual stages per rank (4 and 5 layers, 4 stages),
+interleaved 1F1B and interleaved zero bubble. Every rank holds only its
+stage's (stages') parameters, under their
 original names; 3 AdamW steps of
 ``ctx.pipeline_step`` plus ``ctx.clip_grad_norm`` (max_norm 0.5, so it
 clips) give one process's loss and pre-clip norm (1e-5) and parameters
@@ -62,7 +64,7 @@ CASES = {
     "qwen2 1f1b": ("qwen2", "1f1b", 2),
     "mistral packed 1f1b": ("mistral", "1f1b", 2, {}, True),
     # Two virtual stages per rank (4 stages over 2 ranks; 5 layers: stages of
-    # 2, 1, 1, 1): loop placement for the interleaved schedules, V shape for ZBV.
+    # 2, 1, 1, 1), loop placement: rank 0 holds stages 0 and 2.
     "llama interleaved_1f1b v2": ("llama", "interleaved_1f1b", 2, V2, False, 4),
     "decoder packed interleaved_1f1b v2": ("decoder", "interleaved_1f1b", 4, V2, True, 5),
     "llama interleaved_zero_bubble v2": ("llama", "interleaved_zero_bubble", 2, V2, False, 4),
@@ -74,8 +76,6 @@ CASES = {
         True,
         5,
     ),
-    "llama zbv_zero_bubble v2": ("llama", "zbv_zero_bubble", 2, V2, False, 4),
-    "decoder packed zbv_zero_bubble v2": ("decoder", "zbv_zero_bubble", 4, V2, True, 5),
 }
 
 
