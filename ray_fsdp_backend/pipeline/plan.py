@@ -164,7 +164,8 @@ def format_pipeline_traffic(
     fsdp, hsdp = flat_cross_node(c, total, False), flat_cross_node(c, total, True)
     lines += [
         f"across nodes per rank per step ({c.nodes} nodes of {c.ranks_per_node}):",
-        f"  pipeline {c.stages} stages: {format_bytes(worst.total)} "
+        f"  pipeline {c.stages} stages{'' if c.virtual == 1 else f' x {c.virtual} virtual'}: "
+        f"{format_bytes(worst.total)} "
         f"(activation sends {format_bytes(worst.sends)}, "
         f"FSDP inside a stage {format_bytes(worst.fsdp)})",
         f"  FSDP over all {c.world} ranks, no PP: {format_bytes(fsdp.total)}",
