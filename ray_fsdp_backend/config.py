@@ -251,16 +251,15 @@ class FSDPSettings:
     (``pipeline_virtual_stages``) per rank: ``interleaved_1f1b`` (Megatron's
     interleaving, bubble ``(P - 1) / (V M + P - 1)``),
     ``interleaved_zero_bubble`` (torch's ScheduleInterleavedZeroBubble: the
-    weight gradients fill the bubble) or ``zbv_zero_bubble`` (torch's
-    ScheduleZBVZeroBubble, V = 2 stages per rank in a V shape). See
-    docs/parallelism.md."""
+    weight gradients fill the bubble); ``zbv_zero_bubble`` (torch's
+    ScheduleZBVZeroBubble) is refused: its ``eval()`` fails on torch 2.13.
+    See docs/parallelism.md."""
 
     pipeline_virtual_stages: int = 1
     """Pipeline stages each rank holds (V; torchtitan's and Megatron's
     virtual stages): the model is cut into ``P x V`` stages; rank r holds
-    stages r, r + P, ... (``interleaved_*``) or r and 2P - 1 - r
-    (``zbv_zero_bubble``). 1 for ``1f1b`` and ``gpipe``; at least 2 for the
-    interleaved schedules, exactly 2 for ``zbv_zero_bubble``."""
+    stages r, r + P, ... (``interleaved_*``). 1 for ``1f1b`` and ``gpipe``;
+    at least 2 for the interleaved schedules."""
 
     pipeline_microbatches: int | None = None
     """Micro-batches each step's batch is split into (its rows must divide by

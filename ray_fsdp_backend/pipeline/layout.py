@@ -126,6 +126,17 @@ SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 """Schedules with one stage per rank; the others take ``pipeline_virtual_stages``."""
 
 
+REFUSED_SCHEDULES = {
+    "zbv_zero_bubble": (
+        "torch 2.13's ScheduleZBVZeroBubble fails in eval() (forward only, the held-out "
+        "loss): its V shape hands a rank's two adjacent stages their gradients locally even "
+        "without a backward (AssertionError \"can't steal_bwd_input if this stage doesn't have "
+        'backward", measured on gloo with FSDP2 stages); use interleaved_zero_bubble'
+    ),
+}
+"""Schedules torch names that this backend refuses, with the reason measured."""
+
+
 def schedule_errors(
     schedule: str, stages: int, virtual: int, microbatches: int | None
 ) -> list[str]:
@@ -136,6 +147,8 @@ def schedule_errors(
     otherwise), and for the interleaved ones M a multiple of torch's rounds
     ``max(1, M // P)`` (its ValueError, before any worker starts)."""
     key = f"pipeline_schedule={schedule!r} with pipeline_virtual_stages={virtual}"
+    if schedule in REFUSED_SCHEDULES:
+        return [f"pipeline_schedule={schedule!r} is refused: {REFUSED_SCHEDULES[schedule]}"]
     if schedule in SINGLE_STAGE_SCHEDULES:
         return [] if virtual == 1 else [f"{key}: {schedule} runs one stage per rank; set it to 1"]
     if schedule == "zbv_zero_bubble" and virtual != 2:

@@ -43,8 +43,9 @@ def test_v_placement_is_torchs(pp):
         (dict(pipeline_schedule="1f1b", pipeline_virtual_stages=2), "runs one stage per rank"),
         (dict(pipeline_schedule="interleaved_1f1b"), "at least 2 stages per rank"),
         (
-            dict(pipeline_schedule="zbv_zero_bubble", pipeline_virtual_stages=3),
-            "exactly 2 stages per rank",
+            # measured: torch 2.13's ZBV eval() fails on a rank's locally linked stages
+            dict(pipeline_schedule="zbv_zero_bubble", pipeline_virtual_stages=2),
+            "zbv_zero_bubble' is refused: .* eval",
         ),
         (
             # torch: rounds = max(1, 5 // 2) = 2, and 5 % 2 != 0
@@ -69,7 +70,7 @@ def test_virtual_stages_need_pipeline_parallelism():
 
 
 def test_accepted_schedules():
-    for schedule in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"):
+    for schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         FSDPSettings(
             use_fsdp=True,
             pipeline_parallel_size=2,
