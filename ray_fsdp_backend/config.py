@@ -245,10 +245,22 @@ class FSDPSettings:
     DMuon. See docs/parallelism.md."""
 
     pipeline_schedule: str = "1f1b"
-    """torch.distributed.pipelining's schedule: ``1f1b`` (one forward, one
-    backward: at most P micro-batches' activations in flight) or ``gpipe``
-    (all forwards, then all backwards: M in flight). Both idle
-    ``(P - 1) / (M + P - 1)`` of a step (the bubble)."""
+    """torch.distributed.pipelining's schedule. One stage per rank: ``1f1b``
+    (one forward, one backward: at most P micro-batches' activations in
+    flight) or ``gpipe`` (all forwards, then all backwards: M in flight);
+    both idle ``(P - 1) / (M + P - 1)`` of a step (the bubble). Several
+    (``pipeline_virtual_stages``) per rank: ``interleaved_1f1b`` (Megatron's
+    interleaving, bubble ``(P - 1) / (V M + P - 1)``),
+    ``interleaved_zero_bubble`` (torch's ScheduleInterleavedZeroBubble: the
+    weight gradients fill the bubble); ``zbv_zero_bubble`` (torch's
+    ScheduleZBVZeroBubble) is refused: its ``eval()`` fails on torch 2.13.
+    See docs/parallelism.md."""
+
+    pipeline_virtual_stages: int = 1
+    """Pipeline stages each rank holds (V; torchtitan's and Megatron's
+    virtual stages): the model is cut into ``P x V`` stages; rank r holds
+    stages r, r + P, ... (``interleaved_*``). 1 for ``1f1b`` and ``gpipe``;
+    at least 2 for the interleaved schedules."""
 
     pipeline_microbatches: int | None = None
     """Micro-batches each step's batch is split into (its rows must divide by
@@ -392,6 +404,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pipeline_parallel_size": (int,),
     "pipeline_schedule": (str,),
     "pipeline_microbatches": (int, type(None)),
+    "pipeline_virtual_stages": (int,),
 }
 
 
@@ -557,8 +570,14 @@ def _check_expert_parallel(cfg: FSDPSettings) -> None:
         )
 
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-"""``pipeline_schedule`` values (one stage per rank)."""
+PIPELINE_SCHEDULES = (
+    "1f1b",
+    "gpipe",
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+)
+"""``pipeline_schedule`` values (the first two: one stage per rank)."""
 
 
 def _check_pipeline_parallel(cfg: FSDPSettings) -> None:
@@ -568,6 +587,12 @@ def _check_pipeline_parallel(cfg: FSDPSettings) -> None:
         raise ValueError(f"pipeline_parallel_size={pp!r} must be a positive int")
     if micro is not None and micro < 1:
         raise ValueError(f"pipeline_microbatches={micro!r} must be a positive int or null")
+    virtual = cfg.pipeline_virtual_stages
+    if virtual < 1 or (virtual > 1 and pp == 1):
+        raise ValueError(
+            f"pipeline_virtual_stages={virtual!r} must be a positive int, and 1 without "
+            f"pipeline parallelism (pipeline_parallel_size={pp})"
+        )
     if pp == 1:
         return
     if not cfg.use_fsdp:
@@ -595,6 +620,11 @@ def _check_pipeline_parallel(cfg: FSDPSettings) -> None:
             f"pipeline_microbatches={micro} < pipeline_parallel_size={pp}: pipeline_schedule="
             "1f1b needs at least one micro-batch per stage"
         )
+    from ray_fsdp_backend.pipeline.layout import schedule_errors
+
+    errors = schedule_errors(cfg.pipeline_schedule, pp, cfg.pipeline_virtual_stages, micro)
+    if errors:
+        raise ValueError(errors[0])
 
 
 def unknown_key_message(key: str, known: list[str], section: str = "distributed") -> str:

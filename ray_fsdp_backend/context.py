@@ -139,9 +139,10 @@ class TrainContext:
         ``tensor_parallel_size > 1`` first split it over the tp group by
         ``tp_plan`` (``{module pattern: "colwise" | "rowwise" | ...}``) or the
         model's own plan; with ``pipeline_parallel_size > 1`` it is first cut
-        to this rank's stage (``ray_fsdp_backend.pipeline.split``: original
-        parameter names kept); with ``context_parallel_size > 1`` its attention
-        becomes Ulysses (or ring) over the cp group. A transformers model runs without its cache on
+        to this rank's stage, or its ``pipeline_virtual_stages`` stages
+        (``ray_fsdp_backend.pipeline.split``: original parameter names kept);
+        with ``context_parallel_size > 1`` its attention becomes Ulysses (or
+        ring) over the cp group. A transformers model runs without its cache on
         every layout (``use_cache`` defaults to True even in train mode, and
         with a cache transformers builds no per-document mask from packed
         rows' ``position_ids``: they would attend across documents); its
@@ -153,9 +154,12 @@ class TrainContext:
         refuse_modules_to_save(model)
         refuse_tied_adapters(model)
         if self.pp_size > 1:  # a stage's forward runs without a cache
-            from ray_fsdp_backend.pipeline.split import split_for_stage
+            from ray_fsdp_backend.pipeline.layout import stage_indices
+            from ray_fsdp_backend.pipeline.split import split_for_stages
 
-            model = split_for_stage(model, self.pp_rank, self.pp_size)
+            virtual, schedule = self.config.pipeline_virtual_stages, self.config.pipeline_schedule
+            held = stage_indices(self.pp_rank, self.pp_size, virtual, schedule)
+            model = split_for_stages(model, held, self.pp_size * virtual)
         else:
             disable_hf_cache(model)
         return self.strategy.wrap(model, tp_plan=tp_plan)

@@ -144,6 +144,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
             cfg.pipeline_schedule,
             cfg.pipeline_microbatches,
             layout.groups("pp"),
+            cfg.pipeline_virtual_stages,
         )
         from ray_fsdp_backend.pipeline.plan import plan_lines
 

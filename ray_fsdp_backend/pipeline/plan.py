@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from ray_fsdp_backend.memory import format_bytes, format_count
-from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
+from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages, stage_indices
 from ray_fsdp_backend.pipeline.traffic import CrossNode, cross_node_bytes, stage_volumes
 
 ADAMW_STATE_BYTES = 16
@@ -33,6 +33,7 @@ class PipelineCluster:
     reduce_fp32: bool = False
     reshard_after_forward: bool = True  # the no-PP FSDP's
     micro_batch_size: int = 1  # the no-PP run's rows per forward
+    virtual: int = 1  # pipeline_virtual_stages
 
     @property
     def world(self) -> int:
@@ -53,31 +54,55 @@ def stage_params(plan: StagePlan, block: int, embedding: int, head: int) -> int:
     return len(plan.layers) * block + embedding * plan.first + head * plan.last
 
 
-def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
-    """Micro-batches whose activations a stage keeps at once: GPipe runs every
-    forward first (all of them), 1F1B at most ``stages - stage``."""
-    return microbatches if schedule == "gpipe" else min(microbatches, stages - stage)
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` keeps at once,
+    in units of all its layers (a virtual stage's micro-batch counts 1/V),
+    from torch 2.13's schedules: GPipe runs every forward first (M), 1F1B at
+    most ``P - r``; the interleaved ones warm up ``(V - 1) * M / rounds +
+    2 (P - 1 - r)`` stage forwards (``_get_warmup_ops``) and hold one more;
+    ZBV ``2 (P - r) - 1`` forwards of its first stage and ``r`` of its
+    second, then one more (``2P - r`` halves: at most 1F1B's rank 0)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, stages - stage)
+    if schedule == "zbv_zero_bubble":
+        chunks = min(2 * stages - stage, 2 * microbatches)
+    else:
+        per_round = microbatches // max(1, microbatches // stages)
+        warmup = (virtual - 1) * per_round + 2 * (stages - 1 - stage)
+        chunks = min(warmup + 1, virtual * microbatches)
+    return chunks / virtual
 
 
 def crossing_boundaries(c: PipelineCluster, stage: int) -> int:
-    """How many of ``stage``'s neighbours (0, 1 or 2) sit on another node:
-    stages are consecutive node-major rank blocks of ``world / stages``."""
+    """How many of pipeline rank ``stage``'s stage neighbours sit on another
+    node (0, 1 or 2; with virtual stages up to 2V: each of the rank's stages
+    has its own): pipeline ranks are consecutive node-major rank blocks of
+    ``world / stages``, stages placed as torch's schedule places them."""
     per_stage = c.world // c.stages
+    count = c.stages * c.virtual
+    owner = {
+        s: r for r in range(c.stages) for s in stage_indices(r, c.stages, c.virtual, c.schedule)
+    }
 
-    def crosses(boundary: int) -> bool:  # between stage boundary-1 and boundary
-        return 0 < boundary < c.stages and (boundary * per_stage) % c.ranks_per_node == 0
+    def node(rank: int) -> int:
+        return rank * per_stage // c.ranks_per_node
 
-    return crosses(stage) + crosses(stage + 1)
+    held = stage_indices(stage, c.stages, c.virtual, c.schedule)
+    return sum(
+        node(owner[n]) != node(stage) for s in held for n in (s - 1, s + 1) if 0 <= n < count
+    )
 
 
-def pipeline_cross_node(c: PipelineCluster, plan: StagePlan, params: int) -> CrossNode:
-    """One rank of stage ``plan``'s bytes across nodes per step, its stage
-    holding ``params`` (split over tp)."""
+def pipeline_cross_node(c: PipelineCluster, rank: int, params: int) -> CrossNode:
+    """One rank of pipeline rank ``rank``'s bytes across nodes per step, its
+    stages holding ``params`` (split over tp)."""
     per_stage = c.world // c.stages
     shard = per_stage // c.tp
     volumes = stage_volumes(
         [params // c.tp],
-        stage=plan.stage,
+        stage=rank,
         stages=c.stages,
         activation_values=c.rows // shard * c.seq_len * c.dim,
         param_bytes=c.value_bytes,
@@ -86,9 +111,7 @@ def pipeline_cross_node(c: PipelineCluster, plan: StagePlan, params: int) -> Cro
     )
     one_way = c.rows // shard * c.seq_len * c.dim * c.value_bytes
     cross = cross_node_bytes(volumes, shard=shard, shard_spans_nodes=per_stage > c.ranks_per_node)
-    return CrossNode(
-        sends=one_way * crossing_boundaries(c, plan.stage), fsdp=cross.fsdp, replicate=0
-    )
+    return CrossNode(sends=one_way * crossing_boundaries(c, rank), fsdp=cross.fsdp, replicate=0)
 
 
 def flat_cross_node(c: PipelineCluster, params: int, hybrid: bool) -> CrossNode:
@@ -124,21 +147,25 @@ def format_pipeline_traffic(
     lines = ["pipeline stages, per rank (model state fp32 + AdamW, over the stage's ranks):"]
     worst = CrossNode(0, 0, 0)
     shard = c.world // c.stages
-    for plan in plan_stages(n_layers, c.stages):
-        params = stage_params(plan, block, embedding, head)
-        flight = in_flight(c.schedule, plan.stage, c.stages, c.microbatches)
+    plans = plan_stages(n_layers, c.stages * c.virtual)
+    for rank in range(c.stages):
+        held = stage_indices(rank, c.stages, c.virtual, c.schedule)
+        params = sum(stage_params(plans[s], block, embedding, head) for s in held)
+        flight = in_flight(c.schedule, rank, c.stages, c.microbatches, c.virtual)
+        named = f"stage {rank}" if c.virtual == 1 else f"rank {rank} (stages {list(held)})"
         lines.append(
-            f"  stage {plan.stage}: {format_count(params, 1)} parameters, "
+            f"  {named}: {format_count(params, 1)} parameters, "
             f"{format_bytes(params * ADAMW_STATE_BYTES // shard)} model state, "
-            f"activations of {flight} micro-batch(es) in flight"
+            f"activations of {flight:g} micro-batch(es) in flight"
         )
-        cross = pipeline_cross_node(c, plan, params)
+        cross = pipeline_cross_node(c, rank, params)
         worst = max(worst, cross, key=lambda x: x.total)
     total = n_layers * block + embedding + head
     fsdp, hsdp = flat_cross_node(c, total, False), flat_cross_node(c, total, True)
     lines += [
         f"across nodes per rank per step ({c.nodes} nodes of {c.ranks_per_node}):",
-        f"  pipeline {c.stages} stages: {format_bytes(worst.total)} "
+        f"  pipeline {c.stages} stages{'' if c.virtual == 1 else f' x {c.virtual} virtual'}: "
+        f"{format_bytes(worst.total)} "
         f"(activation sends {format_bytes(worst.sends)}, "
         f"FSDP inside a stage {format_bytes(worst.fsdp)})",
         f"  FSDP over all {c.world} ranks, no PP: {format_bytes(fsdp.total)}",
@@ -171,6 +198,7 @@ def plan_lines(spec, node_counts, layout) -> list[str]:
         reduce_fp32=cfg.fsdp_reduce_dtype == "fp32",
         reshard_after_forward=cfg.sharding_strategy.reshard_after_forward,
         micro_batch_size=train.micro_batch_size,
+        virtual=cfg.pipeline_virtual_stages,
     )
     head = model.embedding_params() - embedding
     return format_pipeline_traffic(cluster, model.n_layers, model.block_params(), embedding, head)

@@ -15,6 +15,7 @@ the first and last stage and are refused.
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -67,6 +68,77 @@ def split_for_stage(
     model.forward = types.MethodType(forward, model)
     model.pipeline_plan = plan
     return model
+
+
+def split_for_stages(
+    model: nn.Module, indices: Sequence[int], stages: int, split: list[int] | None = None
+) -> nn.Module:
+    """``model`` cut in place to the union of stages ``indices`` of ``stages``
+    (virtual stages: a rank holding several), under the original names, with
+    one module per stage in ``model.pipeline_stage_modules``: a shallow clone
+    of the model sharing the stage's layers (and the embedding, final norm,
+    head and buffers) with ``model``, cut by :func:`split_for_stage` and run
+    by the schedule. The clones are not submodules of ``model``, so its
+    ``named_parameters`` (checkpoints, exports, the optimizer) see each
+    parameter once. One index: :func:`split_for_stage` itself.
+
+    Raises:
+        ValueError: as :func:`split_for_stage`, for any of the stages.
+    """
+    if len(indices) == 1:
+        return split_for_stage(model, indices[0], stages, split)
+    clones = [split_for_stage(_shallow_clone(model), i, stages, split) for i in indices]
+    owner, (embed, layers_name, norm, head) = _decoder_parts(model)
+    layers = getattr(owner, layers_name)
+    keep = sorted(i for clone in clones for i in clone.pipeline_plan.layers)
+    setattr(owner, layers_name, StageLayers({i: layers[i] for i in keep}))
+    if 0 not in indices:
+        setattr(owner, embed, None)
+    if stages - 1 not in indices:
+        setattr(owner, norm, None)
+        _drop_head(model, owner, head)
+    model.forward = types.MethodType(_run_by_stages, model)
+    model.pipeline_plan = tuple(clone.pipeline_plan for clone in clones)
+    model.__dict__["pipeline_stage_modules"] = clones
+    return model
+
+
+def pipeline_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 makes roots: each virtual stage's module of a model
+    :func:`split_for_stages` cut (torch's PipelineStage then drives each
+    one's gradient sync), else the model itself."""
+    return list(model.__dict__.get("pipeline_stage_modules", ())) or [model]
+
+
+def _shallow_clone(model: nn.Module) -> nn.Module:
+    """A new module object over the same submodules, parameters and buffers
+    (their dicts shared, so materialising ``model`` fills the clone), with its
+    own module table and hooks; the module holding the layers cloned too."""
+    owner, _ = _decoder_parts(model)
+    clone = _clone_one(model)
+    if owner is not model:
+        name = next(n for n, m in model.named_children() if m is owner)
+        clone._modules[name] = _clone_one(owner)
+    return clone
+
+
+def _clone_one(module: nn.Module) -> nn.Module:
+    clone = object.__new__(type(module))
+    shared = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+    clone.__dict__.update(
+        {
+            k: v if k in shared or not isinstance(v, dict | set) else type(v)(v)
+            for k, v in module.__dict__.items()
+        }
+    )
+    return clone
+
+
+def _run_by_stages(self, *args, **kwargs):
+    raise RuntimeError(
+        "a model holding several pipeline stages (pipeline_virtual_stages > 1) runs through "
+        "ctx.pipeline_step / pipeline_eval, which call its stages' modules"
+    )
 
 
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, tuple[str, str, str, str]]:
@@ -149,4 +221,11 @@ def _hf_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None)
     return x
 
 
-__all__ = ["HF_FAMILIES", "StageLayers", "StagePlan", "split_for_stage"]
+__all__ = [
+    "HF_FAMILIES",
+    "StageLayers",
+    "StagePlan",
+    "pipeline_roots",
+    "split_for_stage",
+    "split_for_stages",
+]

@@ -31,23 +31,54 @@ def token_sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     )
 
 
+SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+}
+"""``pipeline_schedule`` -> torch.distributed.pipelining's schedule class."""
+
+
 class _Pipeline:
-    """A stage and its schedule, built on the first step and kept on the model."""
+    """A rank's stages and their schedule, built on the first step and kept on
+    the model: one PipelineStage (one stage per rank: the model itself;
+    virtual stages: each stage's module, an FSDP2 root torch's stage drives)."""
 
     def __init__(self, ctx, model: nn.Module, micro: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        from ray_fsdp_backend.pipeline.layout import stage_indices
+        from ray_fsdp_backend.pipeline.split import pipeline_roots
 
         self.micro = micro
         self.divisor = torch.ones(())
         self.loss_fn: LossFn = token_sum_cross_entropy
         group = ctx.mesh["pp"].get_group()
-        self.group, self.last = group, ctx.pp_size - 1
-        self.stage = PipelineStage(model, ctx.pp_rank, ctx.pp_size, ctx.device, group=group)
-        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[ctx.config.pipeline_schedule]
+        self.group, config = group, ctx.config
+        count = ctx.pp_size * config.pipeline_virtual_stages
+        places = [
+            stage_indices(r, ctx.pp_size, config.pipeline_virtual_stages, config.pipeline_schedule)
+            for r in range(ctx.pp_size)
+        ]
+        self.last = next(r for r, held in enumerate(places) if count - 1 in held)
+        stages = [
+            PipelineStage(module, _stage_index(ctx, module), count, ctx.device, group=group)
+            for module in pipeline_roots(model)
+        ]
+        self.holds_last = any(stage.is_last for stage in stages)
+        kind = getattr(pipelining, SCHEDULES[ctx.config.pipeline_schedule])
         self.schedule = kind(
-            self.stage, n_microbatches=micro, loss_fn=self._loss, scale_grads=False
+            stages if len(stages) > 1 else stages[0],
+            n_microbatches=micro,
+            loss_fn=self._loss,
+            scale_grads=False,
         )
-        _uncounted_inference(self.stage)
+        self.holds_first = any(stage.is_first for stage in stages)
+        for stage in stages:
+            _uncounted_inference(stage)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) / self.divisor
@@ -128,16 +159,34 @@ def _prepare(ctx, model, batch, loss_fn):
     return pipe, batch["input_ids"].to(ctx.device), targets, kwargs
 
 
+def _stage_index(ctx, module: nn.Module) -> int:
+    """The global stage index of ``module`` (its split plan's), checked
+    against where the schedule places this rank's stages."""
+    from ray_fsdp_backend.pipeline.layout import stage_indices
+
+    config = ctx.config
+    index = module.pipeline_plan.stage
+    placed = stage_indices(
+        ctx.pp_rank, ctx.pp_size, config.pipeline_virtual_stages, config.pipeline_schedule
+    )
+    if index not in placed:
+        raise ValueError(
+            f"pipeline_schedule={config.pipeline_schedule!r} places stages {placed} on pipeline "
+            f"rank {ctx.pp_rank}, but the model holds stage {index}: wrap it with this config"
+        )
+    return index
+
+
 def _run(ctx, pipe: _Pipeline, run, ids, targets, kwargs) -> torch.Tensor:
-    """``run`` (the schedule's step or eval) on this stage; the summed
-    micro-batch losses broadcast from the last stage."""
+    """``run`` (the schedule's step or eval) on this rank's stages (the first
+    stage takes the ids, the last the targets; ZBV holds both on rank 0);
+    the summed micro-batch losses broadcast from the rank holding the last."""
     losses: list[torch.Tensor] = []
-    if ctx.pp_rank == 0:
-        run(ids, **kwargs)
-    elif ctx.pp_rank == pipe.last:
-        run(target=targets, losses=losses, **kwargs)
+    args = (ids,) if pipe.holds_first else ()
+    if pipe.holds_last:
+        run(*args, target=targets, losses=losses, **kwargs)
     else:
-        run(**kwargs)
+        run(*args, **kwargs)
     loss = torch.zeros((), dtype=torch.float32, device=ctx.device)
     if losses:
         loss = torch.stack([part.detach().float() for part in losses]).sum()

@@ -117,10 +117,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, policy: FSDPPoli
             "names of its repeated blocks.",
             type(model).__name__,
         )
+    from ray_fsdp_backend.pipeline.split import pipeline_roots
+
     kwargs = dict(mesh=mesh, **policy.kwargs)
     for block in blocks:
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    for root in pipeline_roots(model):  # a rank's virtual pipeline stages: one root each
+        fully_shard(root, **kwargs)
     return model
 
 

@@ -43,7 +43,7 @@ def pipeline_token_sum(ctx, model: nn.Module, batch: dict, packed: bool) -> torc
 def pipeline_errors(dist, model, train, data) -> list[str]:
     """What ``ray-fsdp train`` cannot run under ``pipeline_parallel_size > 1``,
     found on the driver: the model the split refuses (its family, tied
-    embeddings, fewer layers than stages: the split itself runs on a meta
+    embeddings, fewer layers than P x V stages: the split itself runs on a meta
     model), LoRA adapters, and step (or held-out) rows that do not cut into
     ``pipeline_microbatches`` equal micro-batches."""
     if dist is None or dist.pipeline_parallel_size == 1 or model is None:
@@ -56,7 +56,7 @@ def pipeline_errors(dist, model, train, data) -> list[str]:
     if getattr(model, "lora", None) is not None:
         return [f"{key} with model.lora: LoRA adapters are not split into pipeline stages"]
     try:
-        split_for_stage(_meta_model(model), 0, pp)
+        split_for_stage(_meta_model(model), 0, pp * dist.pipeline_virtual_stages)
     except ValueError as error:
         return [f"{key}: {error}"]
     micro = resolve_microbatches(dist.pipeline_microbatches, pp)

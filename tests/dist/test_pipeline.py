@@ -5,9 +5,11 @@ transformers Llama and the built-in decoder, each with 3 layers (stages of 2
 and 1 layers), under the 1F1B and GPipe schedules; Qwen2, Mistral, Gemma 3
 (scaled embedding, per-layer-type rotary, capped logits), Qwen2-MoE
 (experts and a shared expert in each layer) and Qwen3-MoE at ep 2 inside
-each stage; and the decoder at ``pp 2 x tp 2``. The MoE layers' expert load
-(``ctx.router_stats``, each stage counting its own layers) equals one
-process's. Every rank holds only its stage's parameters, under their
+each stage; the decoder at ``pp 2 x tp 2``; and with 2 virtual stages per
+rank (4 and 5 layers, 4 stages), interleaved 1F1B and interleaved zero
+bubble. The MoE layers' expert load (``ctx.router_stats``, each stage
+counting its own layers) equals one process's. Every rank holds only its
+stage's (stages') parameters, under their
 original names; 3 AdamW steps of
 ``ctx.pipeline_step`` plus ``ctx.clip_grad_norm`` (max_norm 0.5, so it
 clips) give one process's loss and pre-clip norm (1e-5) and parameters
@@ -31,6 +33,7 @@ from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.sequence import shift_labels
 from ray_fsdp_backend.pipeline import plan_stages
+from ray_fsdp_backend.pipeline.layout import stage_indices
 from ray_fsdp_backend.pipeline.step import pipeline_eval
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from ray_fsdp_backend.trainer.spec import load_spec
@@ -52,6 +55,7 @@ TRAIN_OVERRIDES = [
     "train.warmup_steps=1",
     "data.packing=true",
 ]
+V2 = {"pipeline_virtual_stages": 2}
 CASES = {
     "llama 1f1b": ("llama", "1f1b", 2),
     "llama gpipe": ("llama", "gpipe", 4),
@@ -69,6 +73,19 @@ CASES = {
     "qwen2_moe gpipe": ("qwen2_moe", "gpipe", 2),
     # Expert parallelism inside each stage: ep 2 over the stage's 2 dp ranks.
     "qwen3_moe ep2 packed 1f1b": ("qwen3_moe", "1f1b", 2, {"expert_parallel_size": 2}, True),
+    # Two virtual stages per rank (4 stages over 2 ranks; 5 layers: stages of
+    # 2, 1, 1, 1), loop placement: rank 0 holds stages 0 and 2.
+    "llama interleaved_1f1b v2": ("llama", "interleaved_1f1b", 2, V2, False, 4),
+    "decoder packed interleaved_1f1b v2": ("decoder", "interleaved_1f1b", 4, V2, True, 5),
+    "llama interleaved_zero_bubble v2": ("llama", "interleaved_zero_bubble", 2, V2, False, 4),
+    "decoder packed interleaved_zero_bubble v2": (
+        "decoder",
+        "interleaved_zero_bubble",
+        2,
+        V2,
+        True,
+        5,
+    ),
 }
 
 
@@ -76,12 +93,12 @@ def family_is_moe(case: str) -> bool:
     return "moe" in CASES[case][0]
 
 
-def _model(family: str) -> torch.nn.Module:
+def _model(family: str, layers: int = 3) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "decoder":
         cfg = ModelConfig(
             dim=32,
-            n_layers=3,
+            n_layers=layers,
             n_heads=4,
             n_kv_heads=2,
             seq_len=SEQ,
@@ -93,7 +110,7 @@ def _model(family: str) -> torch.nn.Module:
 
     if family == "llama":
         config = tiny_config("llama")
-        config.num_hidden_layers = 3
+        config.num_hidden_layers = layers
     else:  # sliding windows (6) shorter than SEQ, so their masks matter
         from tests.zoo_families import family_config
 
@@ -110,7 +127,7 @@ def _model(family: str) -> torch.nn.Module:
         }[family]
         name = {"qwen2": "qwen2_tied"}.get(family, family)  # the zoo's Qwen2, untied here
         config = family_config(
-            name, num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=False, **sliding
+            name, num_hidden_layers=layers, vocab_size=VOCAB, tie_word_embeddings=False, **sliding
         )
     model = tf.AutoModelForCausalLM.from_config(config)
     # Without a cache transformers' mask builders split packed rows into their
@@ -168,10 +185,12 @@ def _held_out(model, packed: bool) -> float:
         return float(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"))
 
 
-def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
+def _expected_names(full: torch.nn.Module, indices: tuple[int, ...], count: int) -> set[str]:
+    """The parameters a rank holding stages ``indices`` of ``count`` keeps."""
     layers = [n for n in dict(full.named_modules()) if n.endswith("layers")][0]
-    plan = plan_stages(3, 2)[stage]
-    held = {f"{layers}.{i}." for i in plan.layers}
+    plans = plan_stages(len(full.get_submodule(layers)), count)
+    held = {f"{layers}.{i}." for s in indices for i in plans[s].layers}
+    first, last = 0 in indices, count - 1 in indices
     names = set()
     for name, _ in full.named_parameters():
         in_layers = name.startswith(f"{layers}.")
@@ -181,20 +200,25 @@ def _expected_names(full: torch.nn.Module, stage: int) -> set[str]:
         if in_layers:
             keep = any(name.startswith(h) for h in held)
         elif "embed" in name:
-            keep = plan.first
+            keep = first
         else:
-            keep = plan.last and head
+            keep = last and head
         if keep:
             names.add(name)
     return names
 
 
 def _run_case(
-    family: str, schedule: str, micro: int, extra: dict | None = None, packed: bool = False
+    family: str,
+    schedule: str,
+    micro: int,
+    extra: dict | None = None,
+    packed: bool = False,
+    layers: int = 3,
 ) -> dict:
     from ray_fsdp_backend.metrics.router import RouterStats
 
-    full = _model(family)
+    full = _model(family, layers)
     trained = copy.deepcopy(full)
     ref_router = RouterStats(trained)  # an MoE's per-layer expert load over the 3 steps
     ref_losses, ref_norms, ref_params = _reference(trained, packed)
@@ -209,6 +233,8 @@ def _run_case(
         **(extra or {}),
     )
     ctx = setup_process_context(settings, torch.device("cpu"))
+    virtual = settings.pipeline_virtual_stages
+    held = stage_indices(ctx.pp_rank, 2, virtual, schedule)
     model = ctx.wrap(copy.deepcopy(full))
     names = {n for n, _ in model.named_parameters()}
     router = ctx.router_stats(model)  # each stage counts its own layers
@@ -241,7 +267,7 @@ def _run_case(
         "errors": errors,
         "params": params,
         "load": (load, ref_load),
-        "names_ok": names == _expected_names(full, ctx.pp_rank),
+        "names_ok": names == _expected_names(full, held, 2 * virtual),
         "held": len(names),
         "all": len(ref_params),
     }

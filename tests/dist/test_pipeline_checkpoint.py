@@ -1,11 +1,13 @@
 """DCP checkpoints of a pipeline run reshard across pp sizes (issue 47).
 
 One spawned job on 4 gloo ranks. The built-in decoder and a tiny
-transformers Llama (3 layers: stages of 2 and 1 layers) train 2 AdamW steps
+transformers Llama (4 layers: stages of 2) train 2 AdamW steps
 at ``pp 2 x dp_shard 2`` and save model and optimizer state with
 ``save_sharded``; the run then takes its third step (the uninterrupted run).
-The checkpoint is restored into fresh models at ``pp 1 x dp_shard 4`` and at
-``pp 2 x dp_shard 2`` (new meshes in the same job), and each restored run's
+The checkpoint is restored into fresh models at ``pp 1 x dp_shard 4``, at
+``pp 2 x dp_shard 2`` and at ``pp 2 x dp_shard 2`` with 2 virtual stages per
+rank under interleaved 1F1B (stages of 1 layer: rank 0 holds layers 0 and 2)
+(new meshes in the same job), and each restored run's
 next two steps equal the uninterrupted run's (loss and pre-clip norm, 1e-5;
 the first also one process's third step). The saved learning rate differs
 from the restored optimizers' own, so the second step shows the param groups
@@ -31,22 +33,23 @@ from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline import MAX_NORM, ROWS, SEQ, _batch, _logits, _model, _reference
 
 FAMILIES = ("decoder", "llama")
-LAYOUTS = ("pp1_dp4", "pp2_dp2")
+LAYOUTS = ("pp1_dp4", "pp2_dp2", "pp2v2_dp2")
 
 
-def _context(pp: int):
+def _context(pp: int, virtual: int = 1):
     settings = FSDPSettings(
         use_fsdp=True,
         use_mixed_precision=False,
         pipeline_parallel_size=pp,
-        pipeline_schedule="1f1b",
+        pipeline_schedule="1f1b" if virtual == 1 else "interleaved_1f1b",
+        pipeline_virtual_stages=virtual,
         pipeline_microbatches=2 if pp > 1 else None,
     )
     return setup_process_context(settings, torch.device("cpu"))
 
 
-def _wrapped(full, pp: int):
-    ctx = _context(pp)
+def _wrapped(full, pp: int, virtual: int = 1):
+    ctx = _context(pp, virtual)
     model = ctx.wrap(copy.deepcopy(full))
     return ctx, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -73,7 +76,7 @@ def _step(ctx, model, opt) -> tuple[float, float]:
 
 
 def _family(family: str, root: str) -> dict:
-    full = _model(family)
+    full = _model(family, 4)
     ref_losses, ref_norms, _ = _reference(copy.deepcopy(full))
     store = CheckpointStore.local(os.path.join(root, family))
     ctx, model, opt = _wrapped(full, 2)
@@ -92,7 +95,7 @@ def _family(family: str, root: str) -> dict:
         with torch.no_grad():
             for p in fresh.parameters():
                 p.mul_(0.5)
-        ctx, model, opt = _wrapped(fresh, int(layout[2]))
+        ctx, model, opt = _wrapped(fresh, int(layout[2]), 2 if "v2" in layout else 1)
         extra = load_sharded(store, find_latest(store), model, opt)
         out[layout] = [_step(ctx, model, opt) for _ in range(2)]
         out[f"{layout} extra"] = extra

@@ -70,7 +70,7 @@ def test_70b_on_4_nodes_pipeline_sends_activations_fsdp_sends_the_model():
     c = _cluster()
     block, embedding, head = 855_654_400, 128_256 * 8192, 128_256 * 8192 + 8192
     plan = plan_stages(80, 4)[1]
-    pp = pipeline_cross_node(c, plan, stage_params(plan, block, embedding, head))
+    pp = pipeline_cross_node(c, plan.stage, stage_params(plan, block, embedding, head))
     # dp 8 per stage: 8 rows x 2048 x 8192 bf16 each way, nothing else leaves a node.
     assert (pp.sends, pp.fsdp) == (2 * 8 * 2048 * 8192 * 2, 0)
     total = 80 * block + embedding + head
@@ -103,6 +103,7 @@ def test_plan_lines_read_the_spec_and_skip_unequal_nodes():
     )  # fmt: skip
     distributed = types.SimpleNamespace(
         pipeline_parallel_size=2, pipeline_microbatches=None, pipeline_schedule="gpipe",
+        pipeline_virtual_stages=1,
         use_mixed_precision=False, fsdp_reduce_dtype="fp32",
         sharding_strategy=types.SimpleNamespace(reshard_after_forward=True),
     )  # fmt: skip
@@ -120,7 +121,7 @@ def test_plan_lines_read_the_spec_and_skip_unequal_nodes():
 def test_more_stages_never_move_more_activation_bytes_per_rank(stages):
     c = _cluster(nodes=8, stages=stages)
     plans = plan_stages(80, stages)
-    sends = [pipeline_cross_node(c, p, 1).sends for p in plans]
+    sends = [pipeline_cross_node(c, p.stage, 1).sends for p in plans]
     assert max(sends) <= 2 * (c.rows // (c.world // stages)) * 2048 * 8192 * 2
 
 
