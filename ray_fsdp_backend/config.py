@@ -620,7 +620,7 @@ def _check_pipeline_parallel(cfg: FSDPSettings) -> None:
             f"pipeline_microbatches={micro} < pipeline_parallel_size={pp}: pipeline_schedule="
             "1f1b needs at least one micro-batch per stage"
         )
-    from ray_fsdp_backend.pipeline.layout import schedule_errors
+    from ray_fsdp_backend.pipeline.schedules import schedule_errors
 
     errors = schedule_errors(cfg.pipeline_schedule, pp, cfg.pipeline_virtual_stages, micro)
     if errors:

@@ -154,7 +154,7 @@ class TrainContext:
         refuse_modules_to_save(model)
         refuse_tied_adapters(model)
         if self.pp_size > 1:  # a stage's forward runs without a cache
-            from ray_fsdp_backend.pipeline.layout import stage_indices
+            from ray_fsdp_backend.pipeline.schedules import stage_indices
             from ray_fsdp_backend.pipeline.split import split_for_stages
 
             virtual, schedule = self.config.pipeline_virtual_stages, self.config.pipeline_schedule

@@ -2,7 +2,9 @@
 TP) inside each stage, torch.distributed.pipelining's schedules.
 
 - :mod:`.layout`: pure decisions (the mesh with ``pp`` outermost, which
-  layers each stage holds, micro-batch count, bubble fraction);
+  layers each stage holds, micro-batch count);
+- :mod:`.schedules`: pure schedule decisions (what torch's schedules run,
+  each rank's stages, the bubble);
 - :mod:`.split`: cut a decoder down to one stage's modules, keeping the
   original parameter names;
 - :mod:`.step`: ``ctx.pipeline_step``, one optimizer step's schedule.
@@ -10,11 +12,11 @@ TP) inside each stage, torch.distributed.pipelining's schedules.
 
 from ray_fsdp_backend.pipeline.layout import (
     StagePlan,
-    bubble_fraction,
     pipeline_mesh_layout,
     plan_stages,
     resolve_microbatches,
 )
+from ray_fsdp_backend.pipeline.schedules import bubble_fraction
 
 __all__ = [
     "StagePlan",

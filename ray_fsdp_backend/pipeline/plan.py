@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 
 from ray_fsdp_backend.memory import format_bytes, format_count
-from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages, stage_indices
+from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
+from ray_fsdp_backend.pipeline.schedules import stage_indices
 from ray_fsdp_backend.pipeline.traffic import CrossNode, cross_node_bytes, stage_volumes
 
 ADAMW_STATE_BYTES = 16

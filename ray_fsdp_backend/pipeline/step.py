@@ -50,7 +50,7 @@ class _Pipeline:
         from torch.distributed import pipelining
         from torch.distributed.pipelining import PipelineStage
 
-        from ray_fsdp_backend.pipeline.layout import stage_indices
+        from ray_fsdp_backend.pipeline.schedules import stage_indices
         from ray_fsdp_backend.pipeline.split import pipeline_roots
 
         self.micro = micro
@@ -162,7 +162,7 @@ def _prepare(ctx, model, batch, loss_fn):
 def _stage_index(ctx, module: nn.Module) -> int:
     """The global stage index of ``module`` (its split plan's), checked
     against where the schedule places this rank's stages."""
-    from ray_fsdp_backend.pipeline.layout import stage_indices
+    from ray_fsdp_backend.pipeline.schedules import stage_indices
 
     config = ctx.config
     index = module.pipeline_plan.stage

@@ -33,7 +33,7 @@ from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.sequence import shift_labels
 from ray_fsdp_backend.pipeline import plan_stages
-from ray_fsdp_backend.pipeline.layout import stage_indices
+from ray_fsdp_backend.pipeline.schedules import stage_indices
 from ray_fsdp_backend.pipeline.step import pipeline_eval
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from ray_fsdp_backend.trainer.spec import load_spec

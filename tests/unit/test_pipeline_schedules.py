@@ -9,13 +9,9 @@ import torch
 from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 
 from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.pipeline.layout import (
-    bubble_fraction,
-    format_pipeline_plan,
-    schedule_errors,
-    stage_indices,
-)
+from ray_fsdp_backend.pipeline.layout import format_pipeline_plan
 from ray_fsdp_backend.pipeline.plan import in_flight
+from ray_fsdp_backend.pipeline.schedules import bubble_fraction, schedule_errors, stage_indices
 from ray_fsdp_backend.pipeline.split import pipeline_roots, split_for_stage, split_for_stages
 from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
