@@ -5,22 +5,12 @@ which initialises a gloo process group on a free loopback port and calls
 ``fn(rank, world_size, *args)``. What rank 0 returns comes back to the caller
 (pickled through a file); an exception on any rank fails the call with that
 rank's traceback.
-
-Ranks start from a forkserver that imported torch, transformers and
-ray_fsdp_backend once per test process (``PRELOAD``): a spawned rank paid
-3-5 s of CPU re-importing them, a forked one pays nothing. Each rank still
-runs in the caller's environment and directory (they travel with the call)
-and nothing in the server has run a torch op before it forks.
-``RFB_DIST_START_METHOD=spawn`` restores plain spawning (to tell a failure
-of the server's preloaded state apart from one of the test).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
-import signal
 import socket
 import sys
 import tempfile
@@ -31,51 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-    "torch.distributed.checkpoint",
-    "transformers",
-    "transformers.models.llama.modeling_llama",
-    "ray_fsdp_backend",
-    "ray_fsdp_backend.trainer",
-    "ray_fsdp_backend._worker",
-    "ray_fsdp_backend.hf",
-    "pytest",
-    "tests.dist.harness",
-    "tests.hf_models",
-]
-"""Modules the forkserver imports before it forks any rank: the ones every
-rank imports (the modules a test imports on top, peft and torchao among them,
-import in the rank; peft leaves a native thread running, which a fork must
-not copy)."""
-
-
-_server_set_up = []
-
-
-def _start_method() -> str:
-    method = os.environ.get("RFB_DIST_START_METHOD", "forkserver")
-    if method == "forkserver" and not _server_set_up:
-        _server_set_up.append(True)
-        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-        atexit.register(_stop_server)
-    return method
-
-
-def _stop_server():
-    """Kill and reap the forkserver: no interpreter teardown of its preloaded
-    modules (seconds of CPU), and its ranks' CPU time counts to this process
-    (time, rusage) rather than leaving with an orphan."""
-    from multiprocessing import forkserver
-
-    pid = forkserver._forkserver._forkserver_pid
-    if pid is not None:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -83,12 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args, backend, timeout_s, env, cwd):
-    # a forked rank starts in the server's environment: take the caller's
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    tempfile.tempdir = None  # read TMPDIR again
+def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=120):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -97,9 +37,9 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend, timeout_s, env, c
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    # one intra-op thread per rank (as benchmarks.run): the ranks of a spawn,
-    # and the other test processes, share 2 cores, and idle OpenMP threads
-    # spinning at every barrier of these tiny ops cost most of the CPU
+    # One intra-op thread per rank (as benchmarks.run): the ranks of a spawn
+    # and the other test worker share 2 cores, and a second OpenMP thread
+    # spinning at every barrier of these tiny ops cost most of their CPU.
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group(
@@ -133,11 +73,10 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
         try:
             mp.start_processes(
                 _entry,
-                args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s)
-                + (dict(os.environ), os.getcwd()),
+                args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s),
                 nprocs=world_size,
                 join=True,
-                start_method=_start_method(),
+                start_method="spawn",
             )
         except Exception as exc:
             errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
