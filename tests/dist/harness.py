@@ -37,6 +37,10 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    # One intra-op thread per rank (as benchmarks.run): the ranks of a spawn
+    # and the other test worker share 2 cores, and a second OpenMP thread
+    # spinning at every barrier of these tiny ops cost most of their CPU.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)

@@ -10,16 +10,18 @@ soft-cap (Gemma 2) turned off differs from the cp run by far more than the
 tolerance, so the window and soft-cap are truly computed, not dropped.
 
 One gloo spawn of 2 ranks runs every layout (``setup_process_context`` per
-layout); every rank trains each one-process reference once itself. The loss
-under cp is the token-exact idiom (token sum over
-``ctx.global_token_count``); without cp every rank holds rows with the same
-number of targets and takes its mean (FSDP averages the dp ranks).
+layout); the ranks share the one-process references, each training every
+other one before the layouts run. The loss under cp is the token-exact idiom
+(token sum over ``ctx.global_token_count``); without cp every rank holds rows
+with the same number of targets and takes its mean (FSDP averages the dp
+ranks).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_fsdp_backend._worker import setup_process_context
@@ -147,17 +149,32 @@ def _refusal(ctx, family: str) -> str:
     return "accepted"
 
 
+def _references(rank: int, world: int) -> dict[tuple, tuple]:
+    """Every one-process reference the layouts compare to, keyed by
+    ``(family, packed, lora)``, and the sensitivity runs, keyed by
+    ``("off", family)``: each rank trains every ``world``-th one and all
+    ranks receive all of them (the same float32 CPU numbers as training
+    them all on every rank, in half the CPU)."""
+    keys = [(f, packed, layout == "lora") for layout in LAYOUTS for f in FAMILIES
+            for packed in ((False, True) if layout == "cp" else (False,))
+            if f not in REFUSED.get(layout, ())]  # fmt: skip
+    keys = list(dict.fromkeys(keys)) + [("off", f) for f in SENSITIVITY]
+    mine = {}
+    for key in keys[rank::world]:
+        if key[0] == "off":
+            mine[key] = _reference(key[1], _rows(True), False, **SENSITIVITY[key[1]])
+        else:
+            mine[key] = _reference(key[0], _rows(key[1]), key[2])
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    return {k: v for share in shares for k, v in share.items()}
+
+
 def _zoo(rank, world) -> dict:
     """Every layout, family and row kind in one spawn; each one-process
-    reference is trained once and shared by the layouts that compare to it."""
-    references: dict[tuple, tuple] = {}
-
-    def reference(family: str, packed: bool, lora: bool):
-        key = (family, packed, lora)
-        if key not in references:
-            references[key] = _reference(family, _rows(packed), lora)
-        return references[key]
-
+    reference is trained once (by one rank) and shared by the layouts that
+    compare to it."""
+    references = _references(rank, world)
     results = {}
     for layout, options in LAYOUTS.items():
         settings = FSDPSettings(use_fsdp=True, use_mixed_precision=False, **options)
@@ -169,11 +186,11 @@ def _zoo(rank, world) -> dict:
                     results[(layout, family, "refused")] = _refusal(ctx, family)
                     continue
                 results[(layout, family, packed)] = (
-                    reference(family, packed, lora),
+                    references[(family, packed, lora)],
                     _distributed(ctx, family, _rows(packed), lora),
                 )
-    for family, overrides in SENSITIVITY.items():
-        results[("off", family)] = _reference(family, _rows(True), False, **overrides)
+    for family in SENSITIVITY:
+        results[("off", family)] = references[("off", family)]
     return results
 
 
