@@ -86,7 +86,8 @@ def export_model(
     adapter's own (trained) dtype, as peft's ``save_pretrained``.
     ``format="safetensors"`` (also chosen
     by a ``path`` ending in ``.safetensors``): one file written by rank 0,
-    every state key under its own name (tied weights repeated).
+    every state key under its own name (tied weights repeated); refused for
+    a pipeline stage, whose rank 0 holds the first stage only.
     Collective: every rank calls it; returns ``path`` once complete.
 
     Whole or refused (:mod:`.target`): a non-empty target is refused unless
@@ -105,8 +106,9 @@ def export_model(
     returns before every rank's part succeeded.
 
     Raises:
-        ValueError: an unknown ``format``, a bad ``max_shard_size``, or a URI
-            whose scheme ``pyarrow`` does not know (before anything is written).
+        ValueError: an unknown ``format``, a bad ``max_shard_size``, a URI
+            whose scheme ``pyarrow`` does not know, or ``format="safetensors"``
+            of a pipeline stage (before anything is written).
         ExportTargetError: the target is not empty (without ``overwrite``),
             not shared by every rank, or a written file is missing or short
             (named, with the rank that wrote it).
@@ -117,6 +119,13 @@ def export_model(
         raise ValueError(f"export_model format={format!r} is not one of {', '.join(EXPORTERS)}")
     if format == "hf" and text.endswith(".safetensors"):
         format = "safetensors"
+    if format == "safetensors" and getattr(model, "pipeline_plan", None) is not None:
+        # One file from rank 0 would hold only the first stage's layers.
+        raise ValueError(
+            f"export_model format='safetensors' ({text!r}) writes one file from rank 0, which "
+            "holds only its pipeline stage's layers under pipeline_parallel_size > 1: use "
+            "format='hf' (each stage's ranks write its files, one index names them all)"
+        )
     parse_size(max_shard_size)
     fs, root = resolve_filesystem(text, filesystem)
     dtype = default_export_dtype(model, format, dtype)

@@ -156,3 +156,17 @@ def test_bad_format_and_unknown_scheme_fail_before_writing(tmp_path):
     with pytest.raises(ValueError, match="nosuchscheme://bucket/x"):
         export_model(model, "nosuchscheme://bucket/x")
     assert os.listdir(tmp_path) == []
+
+
+def test_single_file_export_of_a_pipeline_stage_is_refused_before_writing(tmp_path):
+    # Rank 0 of a pp run holds the first stage only: one file from it would
+    # silently miss every later stage's layers.
+    from ray_fsdp_backend.pipeline.split import split_for_stage
+    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+
+    config = ModelConfig(dim=16, n_layers=2, n_heads=2, vocab_size=32, tie_embeddings=False)
+    stage = split_for_stage(Transformer(config), 0, 2)
+    for path, format in ((tmp_path / "m.safetensors", "hf"), (tmp_path / "m", "safetensors")):
+        with pytest.raises(ValueError, match="format='safetensors'.*use format='hf'"):
+            export_model(stage, path, format=format)
+    assert os.listdir(tmp_path) == []
