@@ -107,6 +107,16 @@ def plan_stages(n_layers: int, stages: int, split: Sequence[int] | None = None) 
     ]
 
 
+def tied_embeddings_error(model: str) -> str:
+    """The refusal of a model (class name ``model``) whose input and output
+    embeddings are one tensor: the first and last stage would each hold it."""
+    return (
+        f"{model} ties its input and output embeddings "
+        "(tie_embeddings / tie_word_embeddings): under pipeline_parallel_size > 1 they sit "
+        "on the first and last stage; untie them to train with pipeline parallelism"
+    )
+
+
 def resolve_microbatches(configured: int | None, stages: int, rows: int | None = None) -> int:
     """``pipeline_microbatches`` resolved (None: the stage count), checked
     against the step's ``rows`` when given.

@@ -22,7 +22,7 @@ from torch import nn
 
 from ray_fsdp_backend.pipeline import families
 from ray_fsdp_backend.pipeline.families import HF_FAMILIES
-from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages
+from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages, tied_embeddings_error
 
 
 class StageLayers(nn.ModuleList):
@@ -171,11 +171,7 @@ def _drop_head(model: nn.Module, owner: nn.Module, name: str) -> None:
 
 def _refuse_tied(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
     if embed.weight is head.weight:
-        raise ValueError(
-            f"{type(model).__name__} ties its input and output embeddings "
-            "(tie_embeddings / tie_word_embeddings): under pipeline_parallel_size > 1 they sit "
-            "on the first and last stage; untie them to train with pipeline parallelism"
-        )
+        raise ValueError(tied_embeddings_error(type(model).__name__))
 
 
 def _builtin_forward(

@@ -12,13 +12,18 @@ returned on every rank. Packed rows' ``position_ids`` reach every stage.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the driver's check of a built-in decoder imports no torch
+    import torch
+    from torch import nn
 
 
 def join_rows(micro_batches: list[dict[str, torch.Tensor]], packed: bool) -> dict:
     """The step's micro-batches as one batch of rows; ``position_ids`` kept
     for packed rows only (whole rows take the plain causal mask)."""
+    import torch
+
     keys = ["input_ids", "targets"] + ["position_ids"] * packed
     return {key: torch.cat([batch[key] for batch in micro_batches]) for key in keys}
 
@@ -49,15 +54,13 @@ def pipeline_errors(dist, model, train, data) -> list[str]:
     if dist is None or dist.pipeline_parallel_size == 1 or model is None:
         return []
     from ray_fsdp_backend.pipeline.layout import resolve_microbatches
-    from ray_fsdp_backend.pipeline.split import split_for_stage
 
     pp = dist.pipeline_parallel_size
     key = f"distributed.pipeline_parallel_size={pp}"
     if getattr(model, "lora", None) is not None:
         return [f"{key} with model.lora: LoRA adapters are not split into pipeline stages"]
-    try:
-        split_for_stage(_meta_model(model), 0, pp * dist.pipeline_virtual_stages)
-    except ValueError as error:
+    error = _split_error(model, pp * dist.pipeline_virtual_stages)
+    if error:
         return [f"{key}: {error}"]
     micro = resolve_microbatches(dist.pipeline_microbatches, pp)
     rows = []
@@ -75,8 +78,31 @@ def pipeline_errors(dist, model, train, data) -> list[str]:
     ]
 
 
+def _split_error(model, stages: int) -> str | None:
+    """Why the split refuses ``model`` cut into ``stages`` stages, or None: for
+    the built-in decoder from its config (the split's own rules, no torch),
+    for a pretrained model by splitting it on the meta device."""
+    from ray_fsdp_backend.pipeline.layout import plan_stages, tied_embeddings_error
+    from ray_fsdp_backend.trainer.model_config import ModelConfig
+
+    try:
+        if not isinstance(model, ModelConfig):
+            from ray_fsdp_backend.pipeline.split import split_for_stage
+
+            split_for_stage(_meta_model(model), 0, stages)
+        elif model.tie_embeddings:
+            return tied_embeddings_error("Transformer")
+        else:
+            plan_stages(model.n_layers, stages)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _meta_model(model) -> nn.Module:
     """The run's model on the meta device (no weights)."""
+    import torch
+
     from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
     if isinstance(model, ModelConfig):
@@ -91,6 +117,7 @@ def pipeline_flops_per_token(ctx, model: nn.Module, seq_len: int) -> float:
     """The whole model's FLOPs per token for the step meter: each stage's
     estimate (its layers, its embedding or head) summed over the pp group,
     since a token passes every stage."""
+    import torch
     import torch.distributed as dist
 
     from ray_fsdp_backend.metrics.reporting import estimate_flops_per_token

@@ -8,7 +8,8 @@ paths fails here, without any timing. Covered: the example decoder (DMuon's
 owners included, chosen from its shapes), ``--hf-config`` shapes, and a
 local pretrained checkpoint with LoRA (counted from its safetensors headers).
 Left out, still importing torch (never Ray): a pretrained checkpoint's
-layout rules under tp, ep or NF4, and its DMuon plan (a meta model).
+layout rules under tp or ep, its DMuon plan and its pipeline split (a meta
+model).
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ COMMANDS = [
         "examples/dmuon.yaml",
     ],
     ["plan", "examples/dmuon.yaml", "--nodes", "1", "--gpus-per-node", "8"],
-]
+    # docs/parallelism.md's pipeline plan: the split's rules for the decoder, no meta model
+    ["plan", "examples/fsdp_1node_8gpu.yaml", "--nodes", "4", "--gpus-per-node", "8",
+     "--hf-config", "examples/llama3_70b.config.json", "--set", "model.tie_embeddings=false",
+     "--set", "distributed.pipeline_parallel_size=4",
+     "--set", "distributed.pipeline_microbatches=8"],
+]  # fmt: skip
 """Commands whose answer needs neither torch nor Ray: every example without a
-pretrained checkpoint and the 70B and Qwen3-MoE ``--hf-config`` shapes."""
+pretrained checkpoint, the 70B and Qwen3-MoE ``--hf-config`` shapes, and the
+70B cut into 4 pipeline stages."""
 
 
 def run_cli(commands: list[list[str]]) -> list[dict]:
@@ -117,7 +124,8 @@ def test_plan_and_validate_import_neither_torch_nor_ray(lora_config):
             assert "per-GPU memory" in result["output"] or "MoE layers" in result["output"]
     assert not results[-1]["imported"], results[-1]["imported"]
     assert "lora:     frozen base 24,736" in results[-4]["output"], results[-4]["output"]
-    assert "DMuon:    Newton–Schulz on 56 matrices" in results[len(COMMANDS) - 1]["output"]
+    assert "DMuon:    Newton–Schulz on 56 matrices" in results[len(COMMANDS) - 2]["output"]
+    assert "pipeline: 4 stages" in results[len(COMMANDS) - 1]["output"]
     assert last["imported"] == ["torch", "transformers"], last["imported"]
 
 
