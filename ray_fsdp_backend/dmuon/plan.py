@@ -81,8 +81,7 @@ def dedicated_from_shapes(
     return [
         MatrixSpec(name, shape)
         for name, shape in params
-        if len(shape) == 2
-        and is_default_dedicated(
+        if is_default_dedicated(
             len(shape), in_block=name.startswith(prefixes), embedding=name in embeddings
         )
     ]

@@ -25,22 +25,20 @@ def schedule_errors(
 ) -> list[str]:
     """What torch 2.13's schedule ``schedule`` cannot run with ``stages``
     ranks (P), ``virtual`` stages per rank (V) and ``microbatches`` (M; None:
-    P): one stage per rank for 1F1B and GPipe, V >= 2 for the interleaved
-    schedules and V == 2 for ZBV (``ScheduleZBVZeroBubble`` raises
-    otherwise), and for the interleaved ones M a multiple of torch's rounds
-    ``max(1, M // P)`` (its ValueError, before any worker starts)."""
+    P): a refused schedule (:data:`REFUSED_SCHEDULES`), one stage per rank
+    for 1F1B and GPipe, V >= 2 for the interleaved schedules, and for those M
+    a multiple of torch's rounds ``max(1, M // P)`` (its ValueError, before
+    any worker starts)."""
     key = f"pipeline_schedule={schedule!r} with pipeline_virtual_stages={virtual}"
     if schedule in REFUSED_SCHEDULES:
         return [f"pipeline_schedule={schedule!r} is refused: {REFUSED_SCHEDULES[schedule]}"]
     if schedule in SINGLE_STAGE_SCHEDULES:
         return [] if virtual == 1 else [f"{key}: {schedule} runs one stage per rank; set it to 1"]
-    if schedule == "zbv_zero_bubble" and virtual != 2:
-        return [f"{key}: the ZBV schedule holds exactly 2 stages per rank (a V shape)"]
     if virtual < 2:
         return [f"{key}: an interleaved schedule needs at least 2 stages per rank"]
     micro = stages if microbatches is None else microbatches
     rounds = max(1, micro // stages)
-    if schedule != "zbv_zero_bubble" and micro % rounds:
+    if micro % rounds:
         return [
             f"pipeline_microbatches={micro} with {key} and pipeline_parallel_size={stages}: "
             f"torch's interleaved schedules need M a multiple of max(1, M // P) = {rounds}"
