@@ -69,7 +69,9 @@ def train_ray_data(loop_config: dict) -> None:
         dist.all_reduce(loss)  # the mean over the global batch (equal rows per rank)
         losses.append(float(loss) / ctx.world_size)
         norms.append(float(result.grad_norm))
-    record = {"dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size, "ids": batches.ids,
+    axis = "tp" if "tp" in ctx.mesh.mesh_dim_names else "cp"  # the group that reads alike
+    group = dist.get_process_group_ranks(ctx.mesh[axis].get_group())
+    record = {"dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size, "ids": batches.ids, "group": group,
               "losses": losses, "norms": norms, "datasets": describe_datasets()}  # fmt: skip
     with open(os.path.join(loop_config["out"], f"rank_{ctx.world_rank}.json"), "w") as f:
         json.dump(record, f)

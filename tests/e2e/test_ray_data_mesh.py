@@ -61,7 +61,11 @@ def _fit(tmp, name: str, doc: dict, init: str, dataset_config=None):
         dataset_config=dataset_config,
     )
     trainer.fit()
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"), key=_rank)]
+
+
+def _rank(path) -> int:
+    return int(path.stem.split("_")[1])
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +125,14 @@ def test_every_step_equals_one_process_fed_the_same_rows(runs, layout, init):
         assert rec["losses"] == pytest.approx(losses, rel=1e-5)
         assert rec["norms"] == pytest.approx(norms, rel=1e-4)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tp_and_cp_groups_are_node_neighbours(runs, layout):
+    # tp / cp is the mesh's innermost axis: each group is two consecutive
+    # world ranks, which Ray Train places on one node (moved here from the
+    # tensor-parallel e2e test, at 2 workers since issue 45).
+    assert [r["group"] for r in runs[layout]] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
 def test_the_backend_sees_the_datasets_and_their_config(runs):

@@ -1,6 +1,6 @@
 """Worker-side function of the tensor-parallel end-to-end test.
 
-``train_tp`` trains the example decoder at tp 2 x dp 2 on 4 Ray workers with
+``train_tp`` trains the example decoder at tp 2 on Ray workers (any dp) with
 AdamW and the global clip, each dp shard reading its rows of a step-seeded
 global batch, checkpoints every ``every`` steps and can kill one worker
 (``os._exit``) right after a checkpoint, once per run. Per-attempt facts go
