@@ -1,5 +1,5 @@
 """Supervised fine-tuning end to end (docs/sft.md): ``ray-fsdp train
-examples/sft_chat.yaml`` with the chat records as parquet on a real S3 API
+examples/sft_chat.yaml`` (at 50 steps) with the chat records as parquet on a real S3 API
 (moto server on loopback), LoRA on a tiny Llama whose tokenizer has a chat
 template, 2 CPU workers, one Ray session (the command's). The loss falls,
 the held-out loss is logged, and the merged export, loaded by
@@ -23,6 +23,10 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = "e2e-sft"
+STEPS = 50
+"""Half the example's 100 (issue 45: the suite's time); its schedule ends at
+50 and the answers are learnt by then (measured: loss 5.02 -> 1.02, all 4
+answers right; at 100 steps 5.02 -> 0.79)."""
 
 # The snippet of docs/sft.md, "Ask the model", for every training conversation
 # (its messages up to the answer: system prompt included where it had one).
@@ -86,19 +90,20 @@ def test_sft_chat_yaml_from_s3_parquet_to_a_model_that_answers(s3_server, tmp_pa
             "--set", f"model.pretrained={pretrained}", "--set", f"model.export={export}",
             "--set", f"data.path={data['train']}", "--set", f"data.eval_path={data['eval']}",
             "--set", f"run.storage_path={tmp_path}", "--set", "run.name=sft",
+            "--set", f"train.steps={STEPS}",
         ],
         cwd=REPO, env=_s3_env(s3_server), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    summary = re.search(r"loss (\S+) \(step 1\) -> (\S+) \(step 100\)", log)
+    summary = re.search(rf"loss (\S+) \(step 1\) -> (\S+) \(step {STEPS}\)", log)
     first, last = map(float, summary.groups())
     assert last < 0.5 * first, (first, last)
     assert "eval loss" in log, log[-3000:]
     with open(tmp_path / "sft" / "metrics.jsonl") as f:
         history = [json.loads(line) for line in f]
     evals = {m["step"]: m["eval_loss"] for m in history if "eval_loss" in m}
-    assert sorted(evals) == [25, 50, 75, 100], evals
+    assert sorted(evals) == [25, 50], evals  # eval_every: 25
     assert all(math.isfinite(v) for v in evals.values()), evals
 
     questions = [r["messages"][:-1] for r in chat_records(CHAT_TRAIN)]
@@ -109,6 +114,7 @@ def test_sft_chat_yaml_from_s3_parquet_to_a_model_that_answers(s3_server, tmp_pa
     )  # fmt: skip
     assert asked.returncode == 0, asked.stderr[-3000:]
     answers = [json.loads(line) for line in asked.stdout.splitlines()]
-    # A random 2-layer base and 100 steps: most answers word for word, not always all.
+    # A random 2-layer base and 50 steps: most answers word for word, not always all.
     right = sum(got == want for got, (_, want) in zip(answers, CHAT_TRAIN, strict=True))
+    print(f"loss {first} -> {last}; {right} of {len(answers)} answers right: {answers}")
     assert right >= 3, answers
