@@ -1,7 +1,7 @@
 """Ray Data under tensor and context parallelism: ``rfb.MeshDataConfig``
 splits the dataset by data-parallel rank.
 
-Two ``TorchTrainer`` runs on 4 CPU workers each, side by side, ``dp_shard 2 x tp 2`` and
+Two ``TorchTrainer`` runs on 4 CPU workers, ``dp_shard 2 x tp 2`` and
 ``dp_shard 2 x cp 2``, train with the trainer's own ``ray_data`` source for two
 epochs. Every rank records the rows it read: the ranks of a tp / cp group read
 the same rows, step by step; the two data-parallel groups read disjoint rows
@@ -12,7 +12,6 @@ gradient norm equal one process trained on those rows fed by hand.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -56,7 +55,7 @@ def _fit(tmp, name: str, doc: dict, init: str, dataset_config=None):
         train_ray_data,
         train_loop_config={"spec": doc, "init": init, "out": str(out)},
         torch_config=build_spec(doc).distributed,
-        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5}),
+        scaling_config=ScalingConfig(num_workers=4),
         run_config=RunConfig(name=name, storage_path=str(tmp / "storage")),
         datasets={"train": _dataset()},
         dataset_config=dataset_config,
@@ -71,16 +70,11 @@ def _rank(path) -> int:
 
 @pytest.fixture(scope="module")
 def runs(ray_local, tmp_path_factory, init):
-    """Both layouts' fits at once, from two threads of this driver, each on
-    half a CPU per worker (the shared cluster has 5): most of a fit is
-    starting its worker group, whose waits then overlap."""
     tmp = tmp_path_factory.mktemp("ray_data_mesh")
-    with ThreadPoolExecutor(len(LAYOUTS)) as pool:
-        fits = {
-            name: pool.submit(_fit, tmp, name, spec_doc(tp, cp, STEPS), init, rfb.MeshDataConfig())
-            for name, (tp, cp) in LAYOUTS.items()
-        }
-        return {name: fit.result() for name, fit in fits.items()}
+    return {
+        name: _fit(tmp, name, spec_doc(tp, cp, STEPS), init, rfb.MeshDataConfig())
+        for name, (tp, cp) in LAYOUTS.items()
+    }
 
 
 def _reference(init: str, steps: list[list[int]], doc: dict) -> tuple[list, list]:
