@@ -46,7 +46,7 @@ pytestmark = pytest.mark.e2e
 
 STEPS, GLOBAL, MICRO, SEQ = 12, 8, 2, 32
 CONFIG = {
-    # HSDP: at 4 workers a (2, 2) mesh over both nodes, at 2 a (1, 2) mesh on the node left.
+    # HSDP; at tp 1 (the fixed reference, 2 workers on one node) a (1, 2) mesh.
     "distributed": {
         "use_fsdp": True,
         "fsdp_sharding_strategy": "hybrid_shard",
