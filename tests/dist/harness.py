@@ -3,14 +3,18 @@
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each of
 which initialises a gloo process group on a free loopback port and calls
 ``fn(rank, world_size, *args)``. What rank 0 returns comes back to the caller
-(pickled through a file); an exception on any rank fails the call with that
-rank's traceback.
+(pickled through a file). A failure on any rank fails the call with every
+rank's fate: its exit code or signal, its Python traceback when it raised, and
+the native stacks ``faulthandler`` wrote when it crashed (a segfault, an
+abort) or hung past its timeout.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -42,6 +46,13 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=
     # spinning at every barrier of these tiny ops cost most of their CPU.
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    # A rank that dies natively (SIGSEGV, SIGABRT) leaves no Python
+    # traceback: faulthandler writes every thread's stack to a file the
+    # failure message includes. The file stays open until the process ends.
+    native = open(os.path.join(out_dir, f"native{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.enable(file=native, all_threads=True)
+    # A rank the harness terminates (another rank failed) shows where it was.
+    faulthandler.register(signal.SIGTERM, file=native, all_threads=True, chain=True)
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
@@ -70,20 +81,36 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
     ``backend`` process group (gloo; ``"cpu:gloo,cuda:nccl"`` for GPU tests)
     whose collectives time out after ``timeout_s``."""
     with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         try:
-            mp.start_processes(
-                _entry,
-                args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s),
-                nprocs=world_size,
-                join=True,
-                start_method="spawn",
-            )
+            while not context.join():
+                pass
         except Exception as exc:
-            errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
-            details = "".join(open(os.path.join(out_dir, f)).read() for f in errors)
-            raise AssertionError(f"a rank failed:\n{details or exc}") from None
+            raise AssertionError(_fates(exc, context.processes, out_dir)) from None
         with open(os.path.join(out_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def _fates(exc: Exception, processes, out_dir: str) -> str:
+    """The failure message: what torch.multiprocessing saw first, then each
+    rank's exit (code or signal) with its traceback and native stacks."""
+    lines = [f"a rank failed: {type(exc).__name__}: {str(exc).strip()[:2000]}"]
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        fate = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit {code}"
+        lines.append(f"--- rank {rank}: {fate}")
+        for name in (f"error{rank}.txt", f"native{rank}.txt"):
+            path = os.path.join(out_dir, name)
+            text = open(path).read().strip() if os.path.exists(path) else ""
+            if text:
+                lines.append(f"[{name}]\n{text}")
+    return "\n".join(lines)
 
 
 def train_step(model, loss, opt, ctx=None) -> tuple[float, float]:
