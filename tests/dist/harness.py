@@ -57,7 +57,7 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        result = fn(rank, world_size, *args)
+        result = _profiled(fn, rank, world_size, args)
         if rank == 0:
             with open(os.path.join(out_dir, "result.pkl"), "wb") as f:
                 pickle.dump(result, f)
@@ -74,6 +74,21 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _profiled(fn, rank, world_size, args):
+    """``fn(rank, world_size, *args)``; under ``RANKS_PROFILE=DIR`` profiled
+    with cProfile into ``DIR/<fn>.rank<N>.prof`` (``python -m pstats``)."""
+    folder = os.environ.get("RANKS_PROFILE")
+    if not folder:
+        return fn(rank, world_size, *args)
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(fn, rank, world_size, *args)
+    finally:
+        profile.dump_stats(os.path.join(folder, f"{fn.__name__}.rank{rank}.prof"))
 
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120):
