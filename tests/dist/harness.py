@@ -32,7 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=120):
+def _entry(rank, world_size, port, out_dir, fn, args, backend, timeout_s, parent):
+    # A fork of the server sees the environment and directory the server
+    # started with: the caller's, as a spawned process would.
+    environ, cwd = parent
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -91,17 +97,30 @@ def _profiled(fn, rank, world_size, args):
         profile.dump_stats(os.path.join(folder, f"{fn.__name__}.rank{rank}.prof"))
 
 
+def _start_method() -> str:
+    """``forkserver``, its server having imported :mod:`tests.dist.preload`
+    (torch, transformers, the backend): each rank is a fork of it, skipping
+    the imports a spawned rank spends seconds of CPU on. The server starts on
+    the first call and serves every later one of this process.
+    ``RANKS_START=spawn`` spawns each rank afresh (as before)."""
+    method = os.environ.get("RANKS_START", "forkserver")
+    if method == "forkserver":
+        mp.set_forkserver_preload(["tests.dist.preload"])
+    return method
+
+
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a
     ``backend`` process group (gloo; ``"cpu:gloo,cuda:nccl"`` for GPU tests)
     whose collectives time out after ``timeout_s``."""
     with tempfile.TemporaryDirectory() as out_dir:
+        parent = (dict(os.environ), os.getcwd())
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s),
+            args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s, parent),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         try:
             while not context.join():
