@@ -98,12 +98,14 @@ def _profiled(fn, rank, world_size, args):
 
 
 def _start_method() -> str:
-    """``forkserver``, its server having imported :mod:`tests.dist.preload`
-    (torch, transformers, the backend): each rank is a fork of it, skipping
-    the imports a spawned rank spends seconds of CPU on. The server starts on
-    the first call and serves every later one of this process.
-    ``RANKS_START=spawn`` spawns each rank afresh (as before)."""
-    method = os.environ.get("RANKS_START", "forkserver")
+    """``spawn``: each rank a fresh interpreter. ``RANKS_START=forkserver``
+    forks the ranks from a server that imported :mod:`tests.dist.preload`
+    (torch, transformers, the backend) once per test process, skipping the
+    imports that are about half of a spawned rank's CPU; opt-in, not the
+    default: a forked rank inherits the server's native threads (pyarrow's
+    jemalloc thread among them), and an earlier try lost a rank of
+    ``test_trainer_loop.py`` without a traceback (docs/benchmarks.md)."""
+    method = os.environ.get("RANKS_START", "spawn")
     if method == "forkserver":
         mp.set_forkserver_preload(["tests.dist.preload"])
     return method

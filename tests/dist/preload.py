@@ -1,12 +1,14 @@
-"""What every spawned rank imports, imported once per test process.
+"""What every rank imports, imported once per test process (opt-in).
 
-``tests/dist/harness.py`` starts its ranks from a fork server that imported
-this module: each rank is a fork of it and finds torch, transformers, peft,
-the backend and the tiny models' modeling code already imported, instead of
-spending seconds of CPU on those imports in every rank of every spawn (about
-half of a 4-rank spawn's CPU; ``RANKS_PROFILE`` shows it). Importing starts
-no thread, touches no device and opens no process group: forking the server
-is safe. A module missing here is imported by the rank as before.
+With ``RANKS_START=forkserver``, ``tests/dist/harness.py`` forks its ranks
+from a server that imported this module: each rank finds torch,
+transformers, peft, the backend and the common families' modeling code
+already imported instead of spending seconds of CPU on those imports in
+every rank of every spawn (about half of a 4-rank spawn's CPU;
+``RANKS_PROFILE`` shows it). Not the default: importing starts native
+threads (torch's, transformers', pyarrow's ``jemalloc_bg_thd``) that a fork
+does not carry, and a rank forked this way once died without a traceback.
+A module missing here is imported by the rank as before.
 """
 
 from __future__ import annotations
