@@ -42,6 +42,9 @@ CHECKPOINT_OBJECTS = r"/checkpoint_\d+/[^/?]+"
 Ray writes too, nor Ray's run files beside them)."""
 WRITES = ("PUT", "POST")
 READS = ("GET", "HEAD")
+SDK_ATTEMPTS = 3
+"""Attempts ``pyarrow``'s S3 client makes per request by itself (its default
+``AwsStandardS3RetryStrategy(max_attempts=3)``), about 2 s apart in all."""
 LISTING = r"[?&]list-type=2"
 """A ListObjectsV2 request (how ``pyarrow`` lists a prefix)."""
 

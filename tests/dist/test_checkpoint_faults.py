@@ -25,14 +25,11 @@ from ray_fsdp_backend.checkpoint.sharded import AsyncCheckpointer, CheckpointSto
 from ray_fsdp_backend.retry import RetryPolicy
 from ray_fsdp_backend.retrying_fs import with_retries
 from tests.dist.test_checkpoint import FSDP, _assert_states_equal, _full_state, _step, _wrap
-from tests.fault_proxy import LISTING, READS, FaultProxy, RemoteFaults
+from tests.fault_proxy import LISTING, READS, SDK_ATTEMPTS, FaultProxy, RemoteFaults
 
 MODEL = {"dim": 128, "n_layers": 2}
 BUCKET = "dist-faults"
 OUTAGE_S = 2.0
-SDK_ATTEMPTS = 3
-"""Attempts ``pyarrow``'s S3 client makes per request by itself (its default
-``AwsStandardS3RetryStrategy(max_attempts=3)``), about 2 s apart in all."""
 
 
 class _Phases:
