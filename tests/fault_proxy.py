@@ -11,7 +11,10 @@ objects (``.../checkpoint_000001/...``, not Ray's run files), and inject:
   SlowDown`` (seeded, so a run is repeatable);
 - ``outage``: the first matching request starts an outage of ``seconds``;
   until it ends every matching request has its connection closed without an
-  answer (what a client sees of a store that drops connections);
+  answer (what a client sees of a store that drops connections). With
+  ``drops``, it lasts until at least that many requests were dropped, however
+  long they take: a client's own retries outlast a timed outage on a loaded
+  machine (each attempt slower), a count of them does not;
 - ``drop_mid_body``: the next ``count`` matching uploads are cut after half
   of their body arrived (the connection closes, nothing reaches moto);
 - ``deny``: matching requests answered ``403 AccessDenied``.
@@ -39,6 +42,9 @@ CHECKPOINT_OBJECTS = r"/checkpoint_\d+/[^/?]+"
 Ray writes too, nor Ray's run files beside them)."""
 WRITES = ("PUT", "POST")
 READS = ("GET", "HEAD")
+SDK_ATTEMPTS = 3
+"""Attempts ``pyarrow``'s S3 client makes per request by itself (its default
+``AwsStandardS3RetryStrategy(max_attempts=3)``), about 2 s apart in all."""
 LISTING = r"[?&]list-type=2"
 """A ListObjectsV2 request (how ``pyarrow`` lists a prefix)."""
 
@@ -57,6 +63,7 @@ class _Rule:
     fraction: float = 1.0
     seconds: float = 0.0
     count: int = -1  # -1: unlimited
+    drops: int = 0  # an outage lasts until at least this many requests were dropped
     status: int = 503
     code: str = "SlowDown"
     until: float | None = None  # an outage in progress ends then
@@ -98,10 +105,15 @@ class FaultProxy:
         self._add(_Rule("throttle", methods, re.compile(pattern), fraction=fraction,
                         rng=random.Random(seed)))  # fmt: skip
 
-    def outage(self, seconds, *, methods=WRITES, pattern=CHECKPOINT_OBJECTS, count=1) -> None:
+    def outage(
+        self, seconds, *, methods=WRITES, pattern=CHECKPOINT_OBJECTS, count=1, drops=0
+    ) -> None:
         """The first ``count`` matching requests each start (or extend) an
-        outage of ``seconds`` for all matching requests."""
-        self._add(_Rule("outage", methods, re.compile(pattern), seconds=seconds, count=count))
+        outage of ``seconds`` for all matching requests; it lasts until at
+        least ``drops`` of them were dropped."""
+        rule = _Rule("outage", methods, re.compile(pattern), seconds=seconds, count=count)
+        rule.drops = drops
+        self._add(rule)
 
     def drop_mid_body(self, *, count=1, pattern=CHECKPOINT_OBJECTS) -> None:
         self._add(_Rule("drop_mid_body", WRITES, re.compile(pattern), count=count))
@@ -122,11 +134,14 @@ class FaultProxy:
                 if not rule.matches(method, path):
                     continue
                 if rule.kind == "outage":
-                    if rule.until is not None and now < rule.until:
+                    started = rule.until is not None
+                    if started and (now < rule.until or rule.drops > 0):
+                        rule.drops -= 1
                         return self._count(rule)
                     if rule.count != 0:
                         rule.count -= 1
                         rule.until = now + rule.seconds
+                        rule.drops -= 1
                         return self._count(rule)
                 elif rule.kind == "drop_mid_body":
                     if has_body and rule.count != 0:

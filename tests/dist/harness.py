@@ -3,14 +3,18 @@
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each of
 which initialises a gloo process group on a free loopback port and calls
 ``fn(rank, world_size, *args)``. What rank 0 returns comes back to the caller
-(pickled through a file); an exception on any rank fails the call with that
-rank's traceback.
+(pickled through a file). A failure on any rank fails the call with every
+rank's fate: its exit code or signal, its Python traceback when it raised, and
+the native stacks ``faulthandler`` wrote when it crashed (a segfault, an
+abort) or hung past its timeout.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -28,7 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=120):
+def _entry(rank, world_size, port, out_dir, fn, args, backend, timeout_s, parent):
+    # A fork of the server sees the environment and directory the server
+    # started with: the caller's, as a spawned process would.
+    environ, cwd = parent
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -42,11 +52,18 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=
     # spinning at every barrier of these tiny ops cost most of their CPU.
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    # A rank that dies natively (SIGSEGV, SIGABRT) leaves no Python
+    # traceback: faulthandler writes every thread's stack to a file the
+    # failure message includes. The file stays open until the process ends.
+    native = open(os.path.join(out_dir, f"native{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.enable(file=native, all_threads=True)
+    # A rank the harness terminates (another rank failed) shows where it was.
+    faulthandler.register(signal.SIGTERM, file=native, all_threads=True, chain=True)
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        result = fn(rank, world_size, *args)
+        result = _profiled(fn, rank, world_size, args)
         if rank == 0:
             with open(os.path.join(out_dir, "result.pkl"), "wb") as f:
                 pickle.dump(result, f)
@@ -65,25 +82,71 @@ def _entry(rank, world_size, port, out_dir, fn, args, backend="gloo", timeout_s=
     os._exit(0)
 
 
+def _profiled(fn, rank, world_size, args):
+    """``fn(rank, world_size, *args)``; under ``RANKS_PROFILE=DIR`` profiled
+    with cProfile into ``DIR/<fn>.rank<N>.prof`` (``python -m pstats``)."""
+    folder = os.environ.get("RANKS_PROFILE")
+    if not folder:
+        return fn(rank, world_size, *args)
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(fn, rank, world_size, *args)
+    finally:
+        profile.dump_stats(os.path.join(folder, f"{fn.__name__}.rank{rank}.prof"))
+
+
+def _start_method() -> str:
+    """``spawn``: each rank a fresh interpreter. ``RANKS_START=forkserver``
+    forks the ranks from a server that imported :mod:`tests.dist.preload`
+    (torch, transformers, the backend) once per test process, skipping the
+    imports that are about half of a spawned rank's CPU; opt-in, not the
+    default: a forked rank inherits the server's native threads (pyarrow's
+    jemalloc thread among them), and an earlier try lost a rank of
+    ``test_trainer_loop.py`` without a traceback (docs/benchmarks.md)."""
+    method = os.environ.get("RANKS_START", "spawn")
+    if method == "forkserver":
+        mp.set_forkserver_preload(["tests.dist.preload"])
+    return method
+
+
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a
     ``backend`` process group (gloo; ``"cpu:gloo,cuda:nccl"`` for GPU tests)
     whose collectives time out after ``timeout_s``."""
     with tempfile.TemporaryDirectory() as out_dir:
+        parent = (dict(os.environ), os.getcwd())
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s, parent),
+            nprocs=world_size,
+            join=False,
+            start_method=_start_method(),
+        )
         try:
-            mp.start_processes(
-                _entry,
-                args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s),
-                nprocs=world_size,
-                join=True,
-                start_method="spawn",
-            )
+            while not context.join():
+                pass
         except Exception as exc:
-            errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
-            details = "".join(open(os.path.join(out_dir, f)).read() for f in errors)
-            raise AssertionError(f"a rank failed:\n{details or exc}") from None
+            raise AssertionError(_fates(exc, context.processes, out_dir)) from None
         with open(os.path.join(out_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def _fates(exc: Exception, processes, out_dir: str) -> str:
+    """The failure message: what torch.multiprocessing saw first, then each
+    rank's exit (code or signal) with its traceback and native stacks."""
+    lines = [f"a rank failed: {type(exc).__name__}: {str(exc).strip()[:2000]}"]
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        fate = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit {code}"
+        lines.append(f"--- rank {rank}: {fate}")
+        for name in (f"error{rank}.txt", f"native{rank}.txt"):
+            path = os.path.join(out_dir, name)
+            text = open(path).read().strip() if os.path.exists(path) else ""
+            if text:
+                lines.append(f"[{name}]\n{text}")
+    return "\n".join(lines)
 
 
 def train_step(model, loss, opt, ctx=None) -> tuple[float, float]:

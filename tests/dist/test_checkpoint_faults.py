@@ -25,7 +25,7 @@ from ray_fsdp_backend.checkpoint.sharded import AsyncCheckpointer, CheckpointSto
 from ray_fsdp_backend.retry import RetryPolicy
 from ray_fsdp_backend.retrying_fs import with_retries
 from tests.dist.test_checkpoint import FSDP, _assert_states_equal, _full_state, _step, _wrap
-from tests.fault_proxy import LISTING, READS, FaultProxy, RemoteFaults
+from tests.fault_proxy import LISTING, READS, SDK_ATTEMPTS, FaultProxy, RemoteFaults
 
 MODEL = {"dim": 128, "n_layers": 2}
 BUCKET = "dist-faults"
@@ -76,6 +76,14 @@ TORN = {2: "__0_0.distcp", 3: ".metadata", 4: extra_state_name(0)}
 """Checkpoint step -> the file cut to half its size (rank 0 reads each)."""
 
 
+def _past_sdk(world_size: int) -> int:
+    """Drops that outlast the client's own attempts: each rank's first call
+    makes at most ``SDK_ATTEMPTS`` before it fails, so the outage reaches the
+    backend's retry layer whatever the timing. (A 2 s outage alone did not:
+    on a loaded machine the client's three attempts outlasted it.)"""
+    return world_size * SDK_ATTEMPTS + 1
+
+
 def _tear(store, path):
     data = store.read_file(path)
     store.write_file(path, data[: len(data) // 2])
@@ -117,13 +125,13 @@ def _scenarios(rank, world_size, s3, root, endpoint):
     }
     listing = phases.run(
         "outage during the listing",
-        lambda f: f.outage(OUTAGE_S, methods=READS, pattern=LISTING),
+        lambda f: f.outage(OUTAGE_S, methods=READS, pattern=LISTING, drops=_past_sdk(world_size)),
         lambda: find_latest(store),
     )
     loaded = {
         step: phases.run(
             f"outage during restore reads of {step}",
-            lambda f: f.outage(OUTAGE_S, methods=READS),
+            lambda f: f.outage(OUTAGE_S, methods=READS, drops=_past_sdk(world_size)),
             lambda step=step: _fresh_load(store, names[step], rank),
         )
         for step in (1,)
@@ -186,9 +194,9 @@ def test_transient_faults_cost_retries_only_and_permanent_ones_fail_fast(s3_serv
     assert listing == "checkpoint_000004"
     for step in (1, 2, 3, 4):  # every object whole: loads equal the saved state exactly
         _assert_states_equal(loaded[step], saved[step])
-    # pyarrow's client retries a 503 or a dropped connection itself, a few
-    # times within a second, so a storm may never reach the backend's layer;
-    # a 2 s outage of the reads outlasts those and must be retried by it.
+    # pyarrow's client retries a 503 or a dropped connection itself (3
+    # attempts), so a storm may never reach the backend's layer; an outage of
+    # the reads that drops more than those attempts must be retried by it.
     for name in ("outage during the listing", "outage during restore reads of 1"):
         assert log[name]["retries"] > 0, (name, log[name])
 
