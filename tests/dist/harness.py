@@ -32,13 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args, backend, timeout_s, parent):
-    # A fork of the server sees the environment and directory the server
-    # started with: the caller's, as a spawned process would.
-    environ, cwd = parent
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
+def _entry(rank, world_size, port, out_dir, fn, args, backend, timeout_s):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -97,32 +91,17 @@ def _profiled(fn, rank, world_size, args):
         profile.dump_stats(os.path.join(folder, f"{fn.__name__}.rank{rank}.prof"))
 
 
-def _start_method() -> str:
-    """``spawn``: each rank a fresh interpreter. ``RANKS_START=forkserver``
-    forks the ranks from a server that imported :mod:`tests.dist.preload`
-    (torch, transformers, the backend) once per test process, skipping the
-    imports that are about half of a spawned rank's CPU; opt-in, not the
-    default: a forked rank inherits the server's native threads (pyarrow's
-    jemalloc thread among them), and an earlier try lost a rank of
-    ``test_trainer_loop.py`` without a traceback (docs/benchmarks.md)."""
-    method = os.environ.get("RANKS_START", "spawn")
-    if method == "forkserver":
-        mp.set_forkserver_preload(["tests.dist.preload"])
-    return method
-
-
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a
     ``backend`` process group (gloo; ``"cpu:gloo,cuda:nccl"`` for GPU tests)
     whose collectives time out after ``timeout_s``."""
     with tempfile.TemporaryDirectory() as out_dir:
-        parent = (dict(os.environ), os.getcwd())
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s, parent),
+            args=(world_size, free_port(), out_dir, fn, args, backend, timeout_s),
             nprocs=world_size,
             join=False,
-            start_method=_start_method(),
+            start_method="spawn",
         )
         try:
             while not context.join():
