@@ -1,20 +1,21 @@
 """Checkpoints on a real S3 API (moto server on loopback, passed to Ray as
-``RunConfig(storage_filesystem=...)``), 2 CPU workers, full_shard,
-asynchronous saves.
+``RunConfig(storage_filesystem=...)``), 2 CPU workers, full_shard.
 
-One module, one Ray session, five fits (7 worker-group starts): the
-reference, through :mod:`tests.fault_proxy` with 25% of checkpoint writes
-answered ``503 SlowDown`` and a 4 s outage from the first checkpoint write
-on (one attempt: transient faults cost retries, no restart); the same job
-with a failed background write and a worker killed right after the last save
-returned, its write in flight (it must end with the reference's parameters,
-restore reading at most 1.2x the checkpoint, keep at most ``num_to_keep`` +
-1 complete checkpoints); a 1-worker run resharding its final checkpoint; and
-a run whose S3 server goes away mid-save (past ``storage_retry_s`` the error
-names the store), resumed later. Resharding 4 -> 2 ranks, ranged reads at 4
-ranks and sync against async saves are ``tests/dist/test_checkpoint_s3.py``'s;
-this module holds what Ray adds: its restarts, its handing of checkpoints and
-its controller's own writes under a misbehaving store.
+One module, one Ray session, four fits (6 worker-group starts): the
+reference, with asynchronous saves through :mod:`tests.fault_proxy`, 25% of
+checkpoint writes answered ``503 SlowDown`` and a 4 s outage from the first
+checkpoint write on (one attempt: transient faults cost retries, no
+restart); the same job with a failed background write and a worker killed
+right after the last save returned, its write in flight (it must end with
+the reference's parameters, restore reading at most 1.2x the checkpoint,
+keep at most ``num_to_keep`` + 1 complete checkpoints); and a run with
+synchronous saves whose S3 server goes away mid-save (past
+``storage_retry_s`` the error names the store), resumed later by one
+worker, which must restore the two workers' checkpoint exactly. Resharding
+4 -> 2 ranks, ranged reads at 4 ranks and what an asynchronous save writes
+are ``tests/dist/test_checkpoint_s3.py``'s; this module holds what Ray adds:
+its restarts, the checkpoints it hands and registers, and its controller's
+own writes to a misbehaving store.
 """
 
 from __future__ import annotations
@@ -114,12 +115,47 @@ def runs(s3_server, ray_local, tmp_path_factory):
         proxy.close()
     fs = counting_fs.counting(s3)
     faulted = _fit(tmp_path, fs, "faulted", FAULTS, async_save=True)
-    resharded = _fit(tmp_path, fs, "resharded", [], workers=1, checkpoint=faulted[0].checkpoint)
-    return s3, (throttled, dict(proxy.injected)), faulted, resharded
+    return s3, (throttled, dict(proxy.injected)), faulted
+
+
+@pytest.fixture(scope="module")
+def gone(ray_local, tmp_path_factory):
+    """A run whose S3 server goes away before the step-4 save (no restart
+    allowed, ``storage_retry_s=3``): its error; then, the server back, the
+    run resumed by one worker. Returns the error, the result and the attempts."""
+    from moto.server import ThreadedMotoServer
+
+    tmp_path = tmp_path_factory.mktemp("ckpt_s3_gone")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    s3 = S3Server(port).filesystem()
+    s3.create_dir(BUCKET)
+    fault_dir = tmp_path / "gone_faults"
+    fault_dir.mkdir()
+    stopper = threading.Thread(target=_stop_when_asked, args=(server, fault_dir), daemon=True)
+    stopper.start()
+    faults = [{"rank": 0, "step": 4, "where": "server_gone"}]
+    endpoint = f"127.0.0.1:{port}"
+    # The server stays gone: the writes give up after storage_retry_s.
+    fsdp = rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False, storage_retry_s=3)
+    try:
+        with pytest.raises(Exception) as info:
+            _fit(tmp_path, s3, "gone", faults, max_failures=0, fsdp=fsdp, endpoint=endpoint,
+                 params_at=EVERY)  # fmt: skip
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        result, _ = _fit(tmp_path, s3, "gone", faults, workers=1, endpoint=endpoint,
+                         record_restored=True)  # fmt: skip
+    finally:
+        server.stop()
+    return str(info.value), result, _attempts(fault_dir)
 
 
 def test_async_run_with_kills_ends_equal_to_uninterrupted_run_reading_only_its_ranges(runs):
-    s3, ((reference, _), _), (faulted, fault_dir), _ = runs
+    s3, ((reference, _), _), (faulted, fault_dir) = runs
     attempts = _attempts(fault_dir)
     print("resumed from, per attempt:", [a["resumed_from"] for a in attempts])
     # The failed step-4 write left step 2 the checkpoint restored.
@@ -147,55 +183,33 @@ def test_async_run_with_kills_ends_equal_to_uninterrupted_run_reading_only_its_r
     assert len(markers) - len(complete) <= 1, markers
 
 
-def test_one_worker_reshards_the_two_worker_checkpoint_another_run_handed_it(runs):
-    _, _, (faulted, _), (resharded, fault_dir) = runs
-    assert _attempts(fault_dir)[0]["resumed_from"] == STEPS
-    for name, value in faulted.return_value["params"].items():
-        got = torch.tensor(resharded.return_value["params"][name])
-        assert torch.equal(got, torch.tensor(value)), name
-
-
-def test_server_gone_mid_save_fails_naming_the_store_then_resumes(s3_server, ray_local, tmp_path):
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    s3 = S3Server(port).filesystem()
-    s3.create_dir(BUCKET)
-    fault_dir = tmp_path / "gone_faults"
-    fault_dir.mkdir()
-    stopper = threading.Thread(target=_stop_when_asked, args=(server, fault_dir), daemon=True)
-    stopper.start()
-    faults = [{"rank": 0, "step": 4, "where": "server_gone"}]
-    endpoint = f"127.0.0.1:{port}"
-    # The server stays gone: the writes give up after storage_retry_s.
-    fsdp = rfb.FSDPConfig(use_fsdp=True, use_mixed_precision=False, storage_retry_s=3)
-    try:
-        with pytest.raises(Exception) as info:
-            _fit(tmp_path, s3, "gone", faults, workers=2, max_failures=0, fsdp=fsdp,
-                 endpoint=endpoint)  # fmt: skip
-        message = str(info.value)
-        print("error:", message[-600:])
-        assert f"s3://{BUCKET}/runs/gone" in message
-        assert "testing" not in message  # the access and secret keys
-        assert "gave up after" in message and "storage_retry_s=3" in message
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        result, _ = _fit(tmp_path, s3, "gone", faults, workers=2, endpoint=endpoint)
-    finally:
-        server.stop()
-    assert _attempts(fault_dir)[-1]["resumed_from"] == 2
+def test_server_gone_mid_save_fails_naming_the_store_then_resumes(gone):
+    message, result, attempts = gone
+    print("error:", message[-600:])
+    assert f"s3://{BUCKET}/runs/gone" in message
+    assert "testing" not in message  # the access and secret keys
+    assert "gave up after" in message and "storage_retry_s=3" in message
+    assert attempts[-1]["resumed_from"] == EVERY
     assert result.metrics["step"] == STEPS
+
+
+def test_one_worker_resumes_the_two_worker_checkpoint_exactly(gone):
+    """The resumed run's one worker restores what the two workers had
+    trained at the step-2 checkpoint (reading only the store: the test
+    never hands it the checkpoint)."""
+    _, _, attempts = gone
+    before, after = attempts[0], attempts[-1]
+    assert (before["world_size"], after["world_size"]) == (2, 1)
+    assert sorted(after["restored"]) == sorted(before["params_at"])
+    for name, value in before["params_at"].items():
+        assert torch.equal(torch.tensor(after["restored"][name]), torch.tensor(value)), name
 
 
 def test_throttled_store_and_a_4s_outage_cost_no_restart(runs):
     """The reference run's store answered 503 to a quarter of the checkpoint
     writes and dropped every connection for OUTAGE_S: one attempt, retries
     on rank 0 (its parameters are the other tests' reference)."""
-    _, ((result, fault_dir), injected), _, _ = runs
+    _, ((result, fault_dir), injected), _ = runs
     print("faults injected:", injected, "retries on rank 0:", result.return_value["retries"])
     assert injected.get("throttle", 0) >= 3 and injected.get("outage", 0) >= 2
     assert len(_attempts(fault_dir)) == 1 and result.return_value["retries"] > 0
