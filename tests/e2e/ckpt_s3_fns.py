@@ -7,7 +7,9 @@ once per run: ``after_save`` (the process dies right after a save returned),
 ``async_write_fail`` (this rank's background write raises) and
 ``server_gone`` (rank 0 asks the test to stop the S3 server and waits until
 it is gone, before the save). Each rank records the bytes it read from the
-store during its restore (``tests.counting_fs``).
+store during its restore (``tests.counting_fs``); the attempt's record holds
+the gathered parameters after step ``params_at`` and, with
+``record_restored``, those it restored.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ def train_on_store(loop_config: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
     extra = _restore(ctx, model, opt, loop_config, attempt)
     start = extra["step"] if extra else 0
-    record = {"resumed_from": start, "losses": {}}
+    record = {"resumed_from": start, "world_size": ctx.world_size, "losses": {}}
+    if extra and loop_config.get("record_restored"):  # every rank gathers
+        record["restored"] = full_params(model)
     path = os.path.join(loop_config["fault_dir"], f"attempt_{attempt}.json")
     if ctx.world_rank == 0:
         with open(path, "w") as f:
@@ -93,6 +97,8 @@ def train_on_store(loop_config: dict) -> dict:
         loss.backward()
         opt.step()
         record["losses"][step] = _mean(float(loss), ctx)
+        if step == loop_config.get("params_at"):  # every rank gathers
+            record["params_at"] = full_params(model)
         if ctx.world_rank == 0:
             with open(path, "w") as f:
                 json.dump(record, f)
