@@ -68,21 +68,21 @@ our own layer and not the S3 client's retry strategy.
 
 Local filesystems are returned unwrapped: their errors (a full disk, a
 missing directory) are not transient. :func:`open_whole` writes a local file
-as ``NAME.tmp``, fsynced and renamed into place, removed if the block raises.
+as ``NAME.tmp``, fsynced and renamed into place, removed if the block raises
+(:mod:`ray_fsdp_backend.whole_file`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import os
-import sys
 import threading
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ray_fsdp_backend.retry import RetryPolicy, call_with_retries, default_policy
+from ray_fsdp_backend.whole_file import LocalWholeFile, WholeFile
 
 STREAM_ABOVE_BYTES = 8 * 1024 * 1024
 """A write to an object store is held in memory and put whole up to this
@@ -118,7 +118,7 @@ def open_whole(fs: pafs.FileSystem, path: str) -> WholeFile:
     module's docstring), retried within the budget of ``fs``'s
     :func:`with_retries`."""
     if isinstance(fs, pafs.LocalFileSystem):
-        return _LocalWhole(path)
+        return LocalWholeFile(path)
     return _ObjectOutput(with_retries(fs).handler, path, None)
 
 
@@ -313,80 +313,6 @@ class _RetryingInput(io.RawIOBase):
         if self._file is not None:
             self._drop_file()
         super().close()
-
-
-class WholeFile(io.RawIOBase):
-    """A file written whole or not at all (see :func:`open_whole`):
-    ``commit()`` publishes it, ``abort()`` drops it. ``close()`` aborts when
-    an exception raised since the file was opened is being handled (the
-    block that wrote it failed), and commits otherwise."""
-
-    def __init__(self):
-        super().__init__()
-        self._context = sys.exception()  # one already being handled is not the block's
-
-    def writable(self):
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        (self.abort if exc is not None else self.commit)()
-        return False
-
-    def close(self):
-        if self.closed:
-            return
-        failing = sys.exception()
-        (self.abort if failing is not None and failing is not self._context else self.commit)()
-
-    def commit(self) -> None:
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        raise NotImplementedError
-
-
-class _LocalWhole(WholeFile):
-    """A local file written as ``path.tmp``, fsynced and renamed on commit."""
-
-    def __init__(self, path: str):
-        super().__init__()
-        self._path, self._tmp = path, f"{path}.tmp"
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit or abort
-
-    def write(self, data):
-        return self._file.write(data)
-
-    def tell(self):
-        return self._file.tell()
-
-    def fileno(self):
-        return self._file.fileno()
-
-    def flush(self):
-        if not self._file.closed:
-            self._file.flush()
-
-    def commit(self) -> None:
-        if self.closed:
-            return
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            os.replace(self._tmp, self._path)
-        finally:
-            self.abort()  # after a failed rename: the temporary file goes
-
-    def abort(self) -> None:
-        if self.closed:
-            return
-        self._file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._tmp)
-        io.RawIOBase.close(self)
 
 
 class _ObjectOutput(WholeFile):

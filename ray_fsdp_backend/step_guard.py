@@ -10,7 +10,8 @@ tensors ``optimizer.found_inf`` and ``optimizer.grad_scale`` during
 was where ``found_inf`` is non-zero. torch's fused optimizers
 (``AdamW(fused=True)``, ``Adam``, ``SGD``) and DMuon's
 :class:`~ray_fsdp_backend.dmuon.optimizer.Muon` do. Any other optimizer is
-stepped after reading the norm on the host, as before.
+stepped after reading the norm on the host, as before. Inside such an
+optimizer, :class:`SkipFactors` applies the decision to each update.
 
 Written here rather than taken from ``GradScaler``: the scaler also scales
 the loss and unscales gradients (nothing to do in bf16 or fp32), and its
@@ -45,3 +46,26 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
     elif not bool(found_inf):
         optimizer.step()
     return found_inf
+
+
+class SkipFactors:
+    """Step factors that ``found_inf`` turns off on the device (no sync):
+    :meth:`pick` is the factor where the step is taken and its neutral value
+    where it is skipped, as a 0-d tensor, so a taken step multiplies by the
+    same number the plain update uses (bit for bit). ``found_inf`` None: no
+    skipping, the plain update."""
+
+    def __init__(self, found_inf: torch.Tensor | None) -> None:
+        self.found_inf = found_inf
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def skipped(self, device: torch.device) -> torch.Tensor:
+        if device not in self._masks:
+            self._masks[device] = (self.found_inf != 0).to(device)
+        return self._masks[device]
+
+    def pick(
+        self, taken: float, skipped: float, device: torch.device, dtype=torch.float32
+    ) -> torch.Tensor:
+        value = torch.where(self.skipped(device), skipped, taken)
+        return value.to(dtype)

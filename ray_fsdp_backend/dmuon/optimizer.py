@@ -37,18 +37,26 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr
 from torch.optim.optimizer import _to_scalar
 
 from ray_fsdp_backend.dmuon import newton_schulz
 from ray_fsdp_backend.dmuon.exchange import ShardExchange, ShardGroup, resolve_shard_group
+from ray_fsdp_backend.dmuon.muon_setup import (
+    ADAMW_GROUP,
+    MUON_GROUP,
+    check_muon_args,
+    local_tensor,
+    ns_device,
+    param_groups,
+    resolve_ns_device,
+    shard_rows_error,
+)
 from ray_fsdp_backend.dmuon.plan import (
     DEFAULT_BUCKET_NUMEL,
     MatrixSpec,
     OwnershipPlan,
     compute_ownership_plan,
-    row_range,
 )
 from ray_fsdp_backend.dmuon.selection import select_parameters
 from ray_fsdp_backend.dmuon.stacks import (
@@ -62,10 +70,9 @@ from ray_fsdp_backend.dmuon.tensor_parallel import (
     orthogonalize_whole,
     resolve_tensor_split,
 )
+from ray_fsdp_backend.step_guard import SkipFactors
 
-MUON_GROUP = "muon"
-ADAMW_GROUP = "adamw"
-_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+__all__ = ["ADAMW_GROUP", "MUON_GROUP", "DMuonStepStats", "Muon", "resolve_ns_device"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ class Muon(torch.optim.Optimizer):
         is_dedicated: Callable[[str, nn.Parameter], bool] | None = None,
         bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     ):
-        _check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype)
+        check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype)
         dedicated, rest = select_parameters(model, is_dedicated)
         matrices = [(n, p) for n, p in dedicated if p.ndim == 2]
         stacks = [(n, p) for n, p in dedicated if p.ndim == STACK_NDIM]
@@ -156,10 +163,10 @@ class Muon(torch.optim.Optimizer):
         )
         # Newton–Schulz and both exchanges run where compute runs (the GPU also
         # when CPU offload keeps the shards on the host).
-        device = _ns_device(dedicated[0][1]) if dedicated else torch.device("cpu")
+        device = ns_device(dedicated[0][1]) if dedicated else torch.device("cpu")
         self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
         self._exchange.verify_consistent(
-            _shard_rows_error(matrices, self.plan, self.shard_group)
+            shard_rows_error(matrices, self.plan, self.shard_group)
             or next(filter(None, (stack_layout_error(n, p) for n, p in stacks)), None)
         )
         muon_hyper = dict(
@@ -183,7 +190,7 @@ class Muon(torch.optim.Optimizer):
         self._adamw = (
             torch.optim.AdamW([p for _, p in rest], **adamw_hyper, fused=True) if rest else None
         )
-        super().__init__(_param_groups(model, dedicated, muon_hyper, self._adamw), defaults={})
+        super().__init__(param_groups(model, dedicated, muon_hyper, self._adamw), defaults={})
         self.last_step_stats: DMuonStepStats | None = None
         self._init_state()
 
@@ -208,7 +215,7 @@ class Muon(torch.optim.Optimizer):
                 "Muon does not unscale gradients: call GradScaler.unscale_(optimizer) before "
                 "step (or train in bf16 / fp32, which need no scaler)"
             )
-        keep = _Keep(getattr(self, "found_inf", None))
+        keep = SkipFactors(getattr(self, "found_inf", None))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -219,14 +226,14 @@ class Muon(torch.optim.Optimizer):
         self._adamw_step(keep.found_inf)
         return loss
 
-    def _muon_step(self, group: dict, keep: _Keep) -> None:
+    def _muon_step(self, group: dict, keep: SkipFactors) -> None:
         params = group["params"]
         updates, owned, ns_calls = self._orthogonalized_shards(params, group, keep)
         lr = _to_scalar(group["lr"])
         for i, (p, shape) in enumerate(zip(params, self._shapes, strict=True)):
             if p.grad is None:
                 continue
-            local = _local(p)
+            local = local_tensor(p)
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], shape)
             update = updates[i].to(local.device)  # offload: host shard
             if keep.found_inf is None:
@@ -246,7 +253,7 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _orthogonalized_shards(
-        self, params: list[torch.Tensor], group: dict, keep: _Keep
+        self, params: list[torch.Tensor], group: dict, keep: SkipFactors
     ) -> tuple[dict[int, torch.Tensor], list[int], int]:
         """This rank's rows of every orthogonalised update (by plan index),
         the matrices it owned, and its batched Newton–Schulz calls.
@@ -275,14 +282,16 @@ class Muon(torch.optim.Optimizer):
         return updates, sorted(owned), ns_calls
 
     def _orthogonalized_stacks(
-        self, params: list[torch.Tensor], group: dict, keep: _Keep
+        self, params: list[torch.Tensor], group: dict, keep: SkipFactors
     ) -> tuple[dict[int, torch.Tensor], int]:
         """The momentum update of every matrix of this rank's stack shards,
         orthogonalised here (one batched call per matrix shape), by param
         index, and the number of calls."""
         ids = [i for i in self._stack_ids if params[i].grad is not None]
         outs = [
-            torch.empty(_local(params[i]).shape, dtype=self.ns_dtype, device=self._exchange.device)
+            torch.empty(
+                local_tensor(params[i]).shape, dtype=self.ns_dtype, device=self._exchange.device
+            )
             for i in ids
         ]
         for i, out in zip(ids, outs, strict=True):
@@ -291,7 +300,9 @@ class Muon(torch.optim.Optimizer):
         done = orthogonalize_stacks(outs, lambda s: self._orthogonalize(s, group))
         return dict(zip(ids, done, strict=True)), calls
 
-    def _start_bucket(self, bucket: int, params: list[torch.Tensor], group: dict, keep: _Keep):
+    def _start_bucket(
+        self, bucket: int, params: list[torch.Tensor], group: dict, keep: SkipFactors
+    ):
         """Momentum-update this rank's rows of ``bucket``'s matrices straight
         into the exchange buffer and send it to the owners."""
         buffer, views = self._exchange.send_buffer(bucket)
@@ -300,7 +311,7 @@ class Muon(torch.optim.Optimizer):
         return self._exchange.start_to_owners(bucket, buffer)
 
     def _momentum_update(
-        self, p: torch.Tensor, group: dict, out: torch.Tensor, keep: _Keep
+        self, p: torch.Tensor, group: dict, out: torch.Tensor, keep: SkipFactors
     ) -> None:
         """Write this rank's rows of the Nesterov (or plain) momentum update,
         cast to ``ns_dtype``, into ``out``; zeros for a parameter without
@@ -314,7 +325,7 @@ class Muon(torch.optim.Optimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+        grad, buf = local_tensor(p.grad), local_tensor(state["momentum_buffer"])
         if keep.found_inf is None:
             buf.lerp_(grad, 1 - group["momentum"])
         else:
@@ -387,106 +398,7 @@ class Muon(torch.optim.Optimizer):
     def momentum_numel(self) -> int:
         """Elements of Muon momentum this rank holds (its shards only)."""
         return sum(
-            _local(s["momentum_buffer"]).numel()
+            local_tensor(s["momentum_buffer"]).numel()
             for s in self.state.values()
             if "momentum_buffer" in s
         )
-
-
-class _Keep:
-    """Step factors that ``found_inf`` turns off on the device (no sync):
-    :meth:`pick` is the factor where the step is taken and its neutral value
-    where it is skipped, as a 0-d tensor, so a taken step multiplies by the
-    same number the plain update uses (bit for bit). ``found_inf`` None: no
-    skipping, the plain update."""
-
-    def __init__(self, found_inf: torch.Tensor | None) -> None:
-        self.found_inf = found_inf
-        self._masks: dict[torch.device, torch.Tensor] = {}
-
-    def skipped(self, device: torch.device) -> torch.Tensor:
-        if device not in self._masks:
-            self._masks[device] = (self.found_inf != 0).to(device)
-        return self._masks[device]
-
-    def pick(
-        self, taken: float, skipped: float, device: torch.device, dtype=torch.float32
-    ) -> torch.Tensor:
-        value = torch.where(self.skipped(device), skipped, taken)
-        return value.to(dtype)
-
-
-def _param_groups(model, dedicated, muon_hyper: dict, adamw) -> list[dict]:
-    """The named groups: "muon" (dedicated matrices, in plan order) and
-    "adamw" (with every key torch's AdamW reads), each only when non-empty."""
-    groups = [dict(name=MUON_GROUP, params=[p for _, p in dedicated], **muon_hyper)]
-    groups = groups if dedicated else []
-    if adamw is not None:
-        groups.append(dict(adamw.param_groups[0], name=ADAMW_GROUP))
-    if not groups:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters")
-    return groups
-
-
-def resolve_ns_device(shard_device: torch.device, mesh_device_type: str) -> torch.device:
-    """Where Newton–Schulz runs: the shard's device, unless the mesh computes
-    on another (CPU offload keeps shards on the host while the mesh is on the
-    GPU): then the mesh's device type, i.e. this rank's current accelerator."""
-    if shard_device.type == mesh_device_type:
-        return shard_device
-    return torch.device(mesh_device_type)
-
-
-def _ns_device(param: torch.Tensor) -> torch.device:
-    mesh_type = param.device_mesh.device_type if isinstance(param, DTensor) else None
-    return resolve_ns_device(_local(param).device, mesh_type or _local(param).device.type)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _shard_rows_error(
-    dedicated: list[tuple[str, nn.Parameter]], plan: OwnershipPlan, shard: ShardGroup
-) -> str | None:
-    """Why this rank's shards do not match the plan's ``torch.chunk`` rows, or
-    None. Checked collectively so that a mismatch on one rank fails all."""
-    for (name, p), spec in zip(dedicated, plan.matrices, strict=True):
-        start, stop = row_range(spec.shape[0], plan.num_ranks, shard.rank)
-        expected = (stop - start, spec.shape[1])
-        if tuple(_local(p).shape) != expected:
-            return (
-                f"dedicated parameter {name!r}: local shard has shape "
-                f"{tuple(_local(p).shape)}, expected {expected} (torch.chunk rows of "
-                f"{spec.shape} over {plan.num_ranks} ranks)"
-            )
-    return None
-
-
-def _check_muon_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, ns_dtype) -> None:
-    checks = [
-        ("lr", lr, lr >= 0, "must be >= 0"),
-        ("momentum", momentum, momentum >= 0, "must be >= 0"),
-        ("weight_decay", weight_decay, weight_decay >= 0, "must be >= 0"),
-        (
-            "ns_steps",
-            ns_steps,
-            isinstance(ns_steps, int) and 0 < ns_steps < 100,
-            "must be an int in [1, 99]",
-        ),
-        (
-            "adjust_lr_fn",
-            adjust_lr_fn,
-            adjust_lr_fn in _ADJUST_LR_FNS,
-            f"must be one of {_ADJUST_LR_FNS}",
-        ),
-        (
-            "ns_dtype",
-            ns_dtype,
-            ns_dtype in (torch.bfloat16, torch.float16, torch.float32),
-            "must be torch.bfloat16, torch.float16 or torch.float32",
-        ),
-    ]
-    for name, value, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"{name}={value!r} {rule}")

@@ -4,7 +4,8 @@ It reads top to bottom like nanoGPT's ``train.py``: build the model on the
 meta device, let the backend shard and initialise it, build the optimizer and
 data, restore a checkpoint if the run has one (:func:`setup_run`), then
 repeat micro-batches (all but the last under ``no_sync``), clip, step
-(:func:`train_step`), and report (:func:`log_step`). Rank 0 prints a
+(:func:`~ray_fsdp_backend.trainer.step.train_step`), and report
+(:func:`log_step`). Rank 0 prints a
 progress line every ``train.log_every`` steps (throughput, MFU, memory and
 ETA from ``ctx.step_meter``; TensorBoard scalars with ``logging.tensorboard``)
 and returns the metric history, which the driver turns into
@@ -25,18 +26,15 @@ without Ray's entry, for benchmarks and tests that build their own context.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import ray.train
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import ray_fsdp_backend as rfb
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens
@@ -44,7 +42,6 @@ from ray_fsdp_backend.elastic import split_global_batch
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, quiet_console
 from ray_fsdp_backend.quantization import keep_torchao_unimported
-from ray_fsdp_backend.step_guard import step_if_finite
 from ray_fsdp_backend.trainer.data import (
     PackedBatches,
     RayDataBatches,
@@ -52,13 +49,10 @@ from ray_fsdp_backend.trainer.data import (
     load_corpus,
 )
 from ray_fsdp_backend.trainer.evaluation import evaluate
-from ray_fsdp_backend.trainer.loss import MicroBatchLoss, micro_batch_loss, prepare_loss
+from ray_fsdp_backend.trainer.loss import prepare_loss
 from ray_fsdp_backend.trainer.model import Transformer
-from ray_fsdp_backend.trainer.pipeline import (
-    pipeline_flops_per_token,
-    pipeline_loss,
-    pipeline_token_sum,
-)
+from ray_fsdp_backend.trainer.optim import build_optimizer, lr_factor
+from ray_fsdp_backend.trainer.pipeline import pipeline_flops_per_token, pipeline_token_sum
 from ray_fsdp_backend.trainer.pretrained import (
     PretrainedModelConfig,
     build_pretrained,
@@ -67,6 +61,7 @@ from ray_fsdp_backend.trainer.pretrained import (
 from ray_fsdp_backend.trainer.seeding import seed_step
 from ray_fsdp_backend.trainer.sft_data import EVAL_DATASET, SftBatches, eval_batches
 from ray_fsdp_backend.trainer.spec import RunSpec, TrainOptions, build_spec
+from ray_fsdp_backend.trainer.step import StepResult, as_batch, batch_loss, local_value, train_step
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a
 # worker's print to write to stdout *and* its logger, so the driver shows
@@ -302,167 +297,6 @@ def fit_global_batch(spec: RunSpec, dp_size: int, world_rank: int) -> RunSpec:
         opts, micro_batch_size=split.micro_batch_size, grad_accum=split.grad_accum
     )
     return dataclasses.replace(spec, train=train)
-
-
-class StepResult(NamedTuple):
-    """One optimizer step's scalars, 0-d tensors left on the device."""
-
-    loss: torch.Tensor
-    """This rank's share of the step's loss: averaged over the ranks it is
-    the mean over every valid token of the step (the loss rule)."""
-    grad_norm: torch.Tensor
-    """The global pre-clip gradient norm (equal on every rank)."""
-    skipped: torch.Tensor
-    """1.0 when the norm was not finite and the step was skipped, else 0.0."""
-    aux_loss: torch.Tensor | None = None
-    """A mixture-of-experts model's auxiliary load-balancing loss (its
-    output's ``aux_loss``, with ``output_router_logits``), this rank's mean
-    over the micro-batches; logged, not added to the loss (docs/moe.md)."""
-
-
-def train_step(
-    ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None, head=...
-) -> StepResult:
-    """One optimizer step over ``grad_accum`` micro-batches, with no host
-    synchronisation: a step whose gradient norm is not finite is skipped on
-    the device (:func:`~ray_fsdp_backend.step_guard.step_if_finite`).
-    ``meter`` (a ``StepMeter``) counts the tokens trained, once per tp group.
-
-    The loss is the token-exact rule of docs/long-context.md: each
-    micro-batch's token sum over ``ctx.global_token_count`` of the whole
-    step's labels, so the gradient is that of the mean over every valid
-    token of the step whatever the layout, and an elastic resize that
-    changes ``grad_accum`` does not change the weighting. ``head``: the
-    loss's output head (:func:`~ray_fsdp_backend.trainer.loss.prepare_loss`;
-    resolved from the model when not given). With ``pipeline_parallel_size
-    > 1`` the micro-batches go through ``ctx.pipeline_step`` as one batch
-    (:mod:`~ray_fsdp_backend.trainer.pipeline`)."""
-    if ctx.pp_size == 1 and head is ...:
-        head = prepare_loss(model, spec.train.loss_chunk_tokens)
-    micro_batches = [
-        ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device))
-        for _ in range(spec.train.grad_accum)
-    ]
-    if meter is not None and ctx.tp_rank == 0 and ctx.pp_rank == 0:
-        # a tp group (and a pipeline) trains one copy of the rows
-        meter.count_tokens(sum(batch["input_ids"].numel() for batch in micro_batches))
-    if ctx.pp_size > 1:
-        total, aux_total = pipeline_loss(ctx, model, micro_batches, spec.data.packing), None
-    else:
-        total, aux_total = accumulate(ctx, model, micro_batches, spec, head)
-    # max_grad_norm 0 (or null): no clipping, the norm is still measured.
-    grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
-    # Every rank sees the same global norm, so all skip together.
-    skipped = step_if_finite(optimizer, grad_norm)
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, grad_norm, skipped, aux_total)
-
-
-def accumulate(ctx, model: nn.Module, micro_batches: list[dict], spec: RunSpec, head):
-    """Forward and backward of each micro-batch (gradients synced on the
-    last only); returns the step's loss share and mean aux loss (or None)."""
-    accum = len(micro_batches)
-    count = ctx.global_token_count([batch["targets"] for batch in micro_batches])
-    total = torch.zeros((), device=ctx.device)
-    aux_total = None
-    for micro, batch in enumerate(micro_batches):
-        # Gradients sync only on the last micro-batch: one all-reduce per step.
-        sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
-        with sync, ctx.sequence_region(), ctx.loss_parallel():
-            token_sum, aux = batch_loss(ctx, model, batch, spec, head)
-            loss = token_sum / count
-            loss.backward()
-        total += local_value(loss.detach())
-        if aux is not None:
-            aux_total = aux.detach() / accum + (0 if aux_total is None else aux_total)
-    return total, aux_total
-
-
-def batch_loss(ctx, model: nn.Module, batch: dict, spec: RunSpec, head=...) -> MicroBatchLoss:
-    """The one loss of the trainer, for training and evaluation: the token
-    sum of one micro-batch as ``ctx.shard_sequence`` returned it (shifted
-    ``targets``, -100 none), computed chunk by chunk without the whole logits
-    (``train.loss_chunk_tokens``; 0: the full logits), and an MoE's aux loss.
-    Divide by ``ctx.global_token_count`` of the step's targets for the mean."""
-    chunk = spec.train.loss_chunk_tokens
-    if head is ...:
-        head = prepare_loss(model, chunk)
-    return micro_batch_loss(
-        model,
-        batch["input_ids"],
-        batch["targets"],
-        position_ids=model_positions(ctx, spec, batch),
-        head=head,
-        chunk_tokens=chunk,
-        compile=spec.distributed.compiles_on(ctx.device.type),
-    )
-
-
-def local_value(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor of ``value``: under ``loss_parallel`` the loss is a
-    DTensor replicated over the tp group, which a plain tensor cannot add."""
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``batch`` on ``device``; to a GPU through pinned memory, so that the
-    copy is queued behind the running step instead of waiting for it."""
-    if device.type == "cuda" and not batch.is_pinned():
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
-
-
-def model_positions(ctx, spec: RunSpec, batch: dict) -> torch.Tensor | None:
-    """The ``position_ids`` the model needs: packed rows' (document masks)
-    and a cp shard's (its offsets); None for whole unpacked rows, whose
-    attention then takes the causal kernel without inspecting the positions
-    on the host (that check, per layer, would sync every step)."""
-    if spec.data.packing or ctx.cp_size > 1:
-        return batch["position_ids"]
-    return None
-
-
-def as_batch(batch, device: torch.device) -> dict[str, torch.Tensor]:
-    """A micro-batch as a dict on ``device``: ``(inputs, targets)`` rows, or
-    the dict packed rows come as (with their ``position_ids``)."""
-    if not isinstance(batch, dict):
-        batch = {"input_ids": batch[0], "targets": batch[1]}
-    return {key: to_device(value, device) for key, value in batch.items()}
-
-
-def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
-    """Fused AdamW (decay on 2-D weights only), or distributed Muon for the
-    blocks' matrices with AdamW for the rest. Both skip a non-finite step
-    without a host sync (``found_inf``)."""
-    opts = spec.train
-    if opts.optimizer == "muon":
-        from ray_fsdp_backend.dmuon.optimizer import Muon
-
-        return Muon(
-            model,
-            lr=opts.lr,
-            weight_decay=opts.weight_decay,
-            adamw_lr=opts.adamw_lr,
-            adamw_weight_decay=0.0,
-        )
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": opts.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # Fused: one kernel per step, and it skips a non-finite step on the device.
-    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-
-
-def lr_factor(step: int, opts: TrainOptions) -> float:
-    """Linear warmup to 1, then cosine decay to ``min_lr_ratio``."""
-    if step < opts.warmup_steps:
-        return (step + 1) / opts.warmup_steps
-    progress = (step - opts.warmup_steps) / max(1, opts.steps - opts.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return opts.min_lr_ratio + (1 - opts.min_lr_ratio) * cosine
 
 
 def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):

@@ -87,17 +87,17 @@ def _node_local_weights(rank, shared, node):
 
 def _fail_rank1_writes(rank):
     """Rank 1's local writes raise once some bytes are written."""
-    from ray_fsdp_backend import retrying_fs
+    from ray_fsdp_backend.whole_file import LocalWholeFile
 
-    real = retrying_fs._LocalWhole.write
+    real = LocalWholeFile.write
 
     def failing(self, data):
         if rank == 1 and self.tell() > 0:
             raise OSError("injected write failure")
         return real(self, data)
 
-    retrying_fs._LocalWhole.write = failing
-    return lambda: setattr(retrying_fs._LocalWhole, "write", real)
+    LocalWholeFile.write = failing
+    return lambda: setattr(LocalWholeFile, "write", real)
 
 
 def _patched(module, name, replacement):

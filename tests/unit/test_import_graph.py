@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import benchmarks
 import ray_fsdp_backend
 
@@ -120,17 +122,19 @@ def test_benchmark_imports_have_no_cycle():
 
 
 def test_pure_layers_import_only_the_config():
-    # The config checks a pipeline schedule with the pure schedule rules,
-    # which import nothing of the package.
+    # The config's checks test a pipeline schedule with the pure schedule
+    # rules, which import nothing of the package.
     graph = import_graph()
     schedules = "ray_fsdp_backend.pipeline.schedules"
+    config = {"ray_fsdp_backend.config", "ray_fsdp_backend.config_checks", schedules}
     assert _reachable(graph, schedules) == set()
+    assert _reachable(graph, "ray_fsdp_backend.config") == config - {"ray_fsdp_backend.config"}
     for pure in (
         "ray_fsdp_backend.topology",
         "ray_fsdp_backend.memory",
         "ray_fsdp_backend.elastic",
     ):
-        assert _reachable(graph, pure) <= {"ray_fsdp_backend.config", schedules}, pure
+        assert _reachable(graph, pure) <= config, pure
 
 
 def test_strategies_never_reach_the_backend_or_the_context():
@@ -142,8 +146,9 @@ def test_strategies_never_reach_the_backend_or_the_context():
             assert "ray_fsdp_backend.context" not in reached, module
 
 
-def test_config_does_not_import_ray():
-    source = (ROOT / "config.py").read_text()
+@pytest.mark.parametrize("name", ["config.py", "config_checks.py"])
+def test_config_does_not_import_ray(name):
+    source = (ROOT / name).read_text()
     imported = {
         alias.name.split(".")[0]
         for node in ast.walk(ast.parse(source))
