@@ -65,7 +65,7 @@ from ray_fsdp_backend.trainer.pretrained import (
     tokenize_corpus,
 )
 from ray_fsdp_backend.trainer.seeding import seed_step
-from ray_fsdp_backend.trainer.sft_data import EVAL_DATASET, SftBatches, eval_batches
+from ray_fsdp_backend.trainer.sft_batches import EVAL_DATASET, SftBatches, eval_batches
 from ray_fsdp_backend.trainer.spec import RunSpec, TrainOptions, build_spec
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a
