@@ -6,46 +6,17 @@ the core package works without it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import posixpath
-import tempfile
 
 import pyarrow.fs as pafs
 import torch
 from torch import nn
 
-from ray_fsdp_backend.collectives import broadcast_from_rank0
-from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
-from ray_fsdp_backend.hf.reader import is_metadata_file, read_checkpoint_index
+from ray_fsdp_backend.filesystem import resolve_filesystem
+from ray_fsdp_backend.hf.metadata import load_tokenizer, metadata_dir
+from ray_fsdp_backend.hf.reader import read_checkpoint_index
 
-
-@contextlib.contextmanager
-def metadata_dir(path: str | os.PathLike, filesystem: pafs.FileSystem | None = None):
-    """A local directory with the checkpoint's small files (``config.json``,
-    tokenizer files), for the ``with`` block: ``path`` itself when local,
-    else a temporary copy of those files only (never the weights), removed
-    on exit. Under a process group rank 0 downloads them and broadcasts the
-    bytes (collective): a store sees one download, not one per rank."""
-    fs, root = resolve_filesystem(path, filesystem)
-    if is_local(fs):
-        yield root
-        return
-    files = broadcast_from_rank0(lambda: _read_metadata_files(fs, root))
-    with tempfile.TemporaryDirectory(prefix="rfb-pretrained-") as local:
-        for name, data in files.items():
-            with open(os.path.join(local, name), "wb") as dst:
-                dst.write(data)
-        yield local
-
-
-def _read_metadata_files(fs: pafs.FileSystem, root: str) -> dict[str, bytes]:
-    files = {}
-    for info in fs.get_file_info(pafs.FileSelector(root)):
-        if info.type == pafs.FileType.File and is_metadata_file(info.path):
-            with fs.open_input_stream(info.path) as src:
-                files[posixpath.basename(info.path)] = src.read()
-    return files
+__all__ = ["build_causal_lm", "count_checkpoint_parameters", "load_tokenizer", "metadata_dir"]
 
 
 def build_causal_lm(
@@ -66,14 +37,6 @@ def build_causal_lm(
         config = AutoConfig.from_pretrained(local)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-def load_tokenizer(path: str | os.PathLike, filesystem: pafs.FileSystem | None = None):
-    """The tokenizer saved beside the checkpoint."""
-    from transformers import AutoTokenizer
-
-    with metadata_dir(path, filesystem) as local:
-        return AutoTokenizer.from_pretrained(local)
 
 
 def count_checkpoint_parameters(

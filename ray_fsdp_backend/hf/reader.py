@@ -49,6 +49,7 @@ from torch.futures import Future
 
 from ray_fsdp_backend.filesystem import compute_spans
 from ray_fsdp_backend.hf.entries import Entry, ExpertsEntry, TensorEntry
+from ray_fsdp_backend.hf.metadata import is_metadata_file  # noqa: F401 (re-exported)
 from ray_fsdp_backend.hf.safetensors_io import (
     UnsupportedDtypeError,
     cast_as_numbers,
@@ -57,8 +58,6 @@ from ray_fsdp_backend.hf.safetensors_io import (
 )
 from ray_fsdp_backend.hf.shapes import INDEX_NAME, SINGLE_NAME  # noqa: F401 (re-exported)
 
-# Small files beside the weights: configs, tokenizer, chat template.
-METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 READ_CONCURRENCY = 32  # requests in flight per rank (object storage: latency-bound)
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None]
@@ -66,11 +65,6 @@ KeyMap = Mapping[str, str] | Callable[[str], str | None]
 
 class PretrainedCheckpointError(ValueError):
     """A pretrained checkpoint is missing, corrupt, or does not fit the model."""
-
-
-def is_metadata_file(name: str) -> bool:
-    """Whether ``name`` is one of a checkpoint's small files (not weights)."""
-    return name.endswith(METADATA_SUFFIXES)
 
 
 def list_checkpoint_files(fs: pafs.FileSystem, path: str) -> list[str]:

@@ -11,24 +11,17 @@ data-parallel group through ``rfb.MeshDataConfig`` like the text
 ``data.eval_fraction`` of the training rows picked by a seeded hash),
 materialised once in the object store and read whole by every rank.
 
-On the workers, :class:`SftBatches` turns a shard's rows into the trainer's
-micro-batches (targets shifted within each document) and resumes like
-:class:`~ray_fsdp_backend.trainer.data.RayDataBatches`; :func:`eval_batches`
-gives each dp rank its share of the held-out rows, padded so that every rank
-runs the same number of forwards (FSDP's all-gathers are collective).
+What the workers make of the rows is :mod:`.sft_batches`. Nothing here
+imports torch or Ray at module level: ``plan`` and ``validate`` run
+:func:`sft_input_errors` (docs/parallelism.md, "Planning a layout").
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
-import torch
-
-from ray_fsdp_backend.context_parallel.sequence import IGNORE_INDEX, shift_labels
-from ray_fsdp_backend.trainer.data import RayDataBatches
 
 EVAL_DATASET = "eval"
 """The held-out dataset's name among the trainer's datasets (not split by rank)."""
@@ -60,7 +53,7 @@ def sft_input_errors(data, model) -> list[str]:
     ``data.eval_path``), found on the driver with the checkpoint's tokenizer
     (``check_sft_source``: the first records of every file); each message
     names the key, the file and the record."""
-    from ray_fsdp_backend.hf.models import load_tokenizer
+    from ray_fsdp_backend.hf.metadata import load_tokenizer
     from ray_fsdp_backend.sft import check_sft_source
 
     try:
@@ -81,7 +74,7 @@ def build_sft_datasets(spec) -> dict[str, Any]:
     set): ``rfb.sft_dataset`` over ``data.path`` with the checkpoint's
     tokenizer, the training rows shuffled with ``train.seed``."""
     import ray_fsdp_backend as rfb
-    from ray_fsdp_backend.hf.models import load_tokenizer
+    from ray_fsdp_backend.hf.metadata import load_tokenizer
 
     data, seed = spec.data, spec.train.seed
     tokenizer = load_tokenizer(spec.model.pretrained)
@@ -115,56 +108,3 @@ class HeldOut:
 
     def complement(self, row: dict[str, Any]) -> bool:
         return not self(row)
-
-
-def to_micro_batch(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``rfb.sft_dataset`` rows as the trainer's micro-batch: ``targets`` are
-    the labels shifted within each document (a document's last token
-    predicts nothing), as :class:`~ray_fsdp_backend.trainer.data.PackedBatches` gives them."""
-    positions = rows["position_ids"].long()
-    return {
-        "input_ids": rows["input_ids"].long(),
-        "targets": shift_labels(rows["labels"].long(), positions),
-        "position_ids": positions,
-    }
-
-
-class SftBatches(RayDataBatches):
-    """One rank's micro-batches of ``rfb.sft_dataset`` rows (its
-    ``MeshDataConfig`` shard), epoch after epoch; the data position (rows the
-    job read in this epoch) resumes as :class:`RayDataBatches`'s does."""
-
-    def to_batch(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return to_micro_batch(rows)
-
-
-def eval_batches(
-    global_batches: Iterable[dict[str, torch.Tensor]],
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-) -> Iterator[dict[str, torch.Tensor]]:
-    """This dp rank's micro-batches of the whole held-out set, from its rows
-    in batches of ``micro_batch_size * dp_size`` (``iter_torch_batches``):
-    of each, the ``dp_rank``-th block; a short block is filled with rows that
-    carry no loss, so every rank runs as many forwards."""
-    first = dp_rank * micro_batch_size
-    for rows in global_batches:
-        batch = to_micro_batch(rows)
-        mine = {k: v[first : first + micro_batch_size] for k, v in batch.items()}
-        yield pad_rows(mine, micro_batch_size)
-
-
-def pad_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-    """``batch`` with rows appended up to ``rows``: token 0, no target,
-    positions ``0 .. seq-1``."""
-    missing = rows - len(batch["input_ids"])
-    if missing <= 0:
-        return batch
-    seq = batch["input_ids"].shape[1]
-    fill = {
-        "input_ids": torch.zeros(missing, seq, dtype=torch.long),
-        "targets": torch.full((missing, seq), IGNORE_INDEX, dtype=torch.long),
-        "position_ids": torch.arange(seq).expand(missing, seq),
-    }
-    return {k: torch.cat([batch[k], fill[k]]) for k in batch}

@@ -59,7 +59,7 @@ from ray_fsdp_backend.trainer.pretrained import (
     tokenize_corpus,
 )
 from ray_fsdp_backend.trainer.seeding import seed_step
-from ray_fsdp_backend.trainer.sft_data import EVAL_DATASET, SftBatches, eval_batches
+from ray_fsdp_backend.trainer.sft_batches import EVAL_DATASET, SftBatches, eval_batches
 from ray_fsdp_backend.trainer.spec import RunSpec, TrainOptions, build_spec
 from ray_fsdp_backend.trainer.step import StepResult, as_batch, batch_loss, local_value, train_step
 

@@ -113,7 +113,7 @@ def _batches(rows: dict[str, torch.Tensor], size: int):
 
 
 def test_every_rank_runs_as_many_eval_batches_and_together_they_hold_every_target():
-    from ray_fsdp_backend.trainer.sft_data import eval_batches, to_micro_batch
+    from ray_fsdp_backend.trainer.sft_batches import eval_batches, to_micro_batch
 
     rows, micro, dp = _rows(7), 2, 3  # 7 rows over 3 ranks of 2: the last block short
     per_rank = [list(eval_batches(_batches(rows, micro * dp), micro, r, dp)) for r in range(dp)]
@@ -130,7 +130,7 @@ def test_eval_loss_is_the_token_mean_of_the_held_out_set():
     """Single process: :func:`evaluate` over padded dp-rank shares (summed
     as the all-reduce would) equals cross-entropy's mean over every target."""
     from ray_fsdp_backend.trainer.evaluation import evaluate
-    from ray_fsdp_backend.trainer.sft_data import eval_batches, to_micro_batch
+    from ray_fsdp_backend.trainer.sft_batches import eval_batches, to_micro_batch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
@@ -223,7 +223,7 @@ class _Rows:
 def test_sft_batches_resume_where_the_checkpoint_left_off():
     """Killed after 3 micro-batches (of 2 rows, dp 1), a restart from the
     state reads the rest of the epoch and the next, as the whole run does."""
-    from ray_fsdp_backend.trainer.sft_data import SftBatches
+    from ray_fsdp_backend.trainer.sft_batches import SftBatches
 
     shard = _Rows(_rows(10, seed=2))
     whole = SftBatches(shard, 2)
