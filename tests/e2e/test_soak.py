@@ -2,7 +2,8 @@
 
 2 CPU workers save asynchronously every 2 steps (16 saves) to the moto S3
 server through the fault proxy (10% of checkpoint writes answered ``503
-SlowDown``, so retries run throughout): resident memory (the median of the
+SlowDown``, so pyarrow's client retries run throughout; the backend's own
+retry layer sees only what outlasts its 3 attempts): resident memory (the median of the
 last quarter of the steps against the second quarter's: 8 saves apart, so a
 leak of more than 2 MiB a save fails), descriptors and threads (one leaked
 per save fails) stay flat after warm-up, no temporary files remain, and the
