@@ -79,38 +79,53 @@ def pipeline_errors(dist, model, train, data) -> list[str]:
 
 
 def _split_error(model, stages: int) -> str | None:
-    """Why the split refuses ``model`` cut into ``stages`` stages, or None: for
-    the built-in decoder from its config (the split's own rules, no torch),
-    for a pretrained model by splitting it on the meta device."""
+    """Why the split refuses ``model`` cut into ``stages`` stages, or None: by
+    the split's own rules (no torch) for the built-in decoder from its config
+    and for a local checkpoint of a family :mod:`~ray_fsdp_backend.hf.shapes`
+    reads from its ``config.json``; any other pretrained model by splitting it
+    on the meta device."""
     from ray_fsdp_backend.pipeline.layout import plan_stages, tied_embeddings_error
-    from ray_fsdp_backend.trainer.model_config import ModelConfig
 
+    rules = _split_rules(model)
     try:
-        if not isinstance(model, ModelConfig):
+        if rules is None:
+            from ray_fsdp_backend.hf.models import build_causal_lm  # on the meta device
             from ray_fsdp_backend.pipeline.split import split_for_stage
 
-            split_for_stage(_meta_model(model), 0, stages)
-        elif model.tie_embeddings:
-            return tied_embeddings_error("Transformer")
-        else:
-            plan_stages(model.n_layers, stages)
+            split_for_stage(build_causal_lm(model.pretrained), 0, stages)
+            return None
+        model_class, tied, n_layers = rules
+        if tied:
+            return tied_embeddings_error(model_class)
+        plan_stages(n_layers, stages)
     except ValueError as error:
         return str(error)
     return None
 
 
-def _meta_model(model) -> nn.Module:
-    """The run's model on the meta device (no weights)."""
-    import torch
-
-    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+def _split_rules(model) -> tuple[str, bool, int] | None:
+    """What the split checks, read without building the model: the class name
+    its refusal names, whether the embeddings are tied, the layer count. The
+    built-in decoder from its config; a local checkpoint of a family in
+    :data:`~ray_fsdp_backend.hf.shapes.SHAPE_FAMILIES` from ``config.json``
+    (``architectures`` naming its causal LM class; ``tie_word_embeddings``,
+    False by default in each of them, as transformers ties); else None.
+    ``tests/unit/test_pipeline_split_rules.py`` holds them to the meta split."""
+    from ray_fsdp_backend.trainer.model_config import ModelConfig
 
     if isinstance(model, ModelConfig):
-        with torch.device("meta"):
-            return Transformer(model)
-    from ray_fsdp_backend.hf.models import build_causal_lm
+        return "Transformer", model.tie_embeddings, model.n_layers
+    from ray_fsdp_backend.hf.shapes import read_local_shapes
 
-    return build_causal_lm(model.pretrained)
+    ckpt = read_local_shapes(model.pretrained)
+    config = ckpt.config if ckpt is not None else {}
+    architectures = config.get("architectures")
+    if not (isinstance(architectures, list) and len(architectures) == 1):
+        return None
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or config.get("use_bidirectional_attention"):
+        return None  # the meta model's family check names the variant
+    return str(architectures[0]), bool(config.get("tie_word_embeddings", False)), layers
 
 
 def pipeline_flops_per_token(ctx, model: nn.Module, seq_len: int) -> float:

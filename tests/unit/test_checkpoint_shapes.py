@@ -102,3 +102,27 @@ def test_expert_refusals_equal_the_meta_models(tmp_path):
     for ep in (2, 3, 8):
         assert expert_count_errors(layers, ep) == expert_errors(meta_model(path), ep), ep
     assert expert_count_errors(layers, 3)  # the case compared refuses
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pipeline_split_refusals_equal_the_meta_models(case, tmp_path):
+    """The driver's pipeline check (``pipeline_parallel_size > 1``) from
+    ``config.json``: what splitting the meta model says (tied embeddings named
+    by their class, more stages than layers) or None, at 2 stages, one per
+    layer and one more (the tied cases compared refuse at every count)."""
+    from ray_fsdp_backend.hf.models import build_causal_lm
+    from ray_fsdp_backend.pipeline.split import split_for_stage
+    from ray_fsdp_backend.trainer.pipeline import _split_error, _split_rules
+    from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
+
+    model = PretrainedModelConfig(pretrained=save_checkpoint(case, tmp_path))
+    assert _split_rules(model) is not None  # the rules, not the meta model, answer
+    layers = _split_rules(model)[2]
+    for stages in (2, layers, layers + 1):
+        try:
+            split_for_stage(build_causal_lm(model.pretrained), 0, stages)
+            expected = None
+        except ValueError as error:
+            expected = str(error)
+        assert _split_error(model, stages) == expected, (case, stages)
+    assert ("ties its input" in (_split_error(model, 2) or "")) == case.endswith("_tied")

@@ -6,10 +6,10 @@ Each command runs in a fresh interpreter that reports what it imported, so
 a module-level ``import torch`` (or ``import ray``) added anywhere on these
 paths fails here, without any timing. Covered: the example decoder (DMuon's
 owners included, chosen from its shapes), ``--hf-config`` shapes, and a
-local pretrained checkpoint with LoRA (counted from its safetensors headers).
+local pretrained checkpoint with LoRA (counted from its safetensors headers)
+or cut into pipeline stages (the split's rules read from its ``config.json``).
 Left out, still importing torch (never Ray): a pretrained checkpoint's
-layout rules under tp or ep, its DMuon plan and its pipeline split (a meta
-model).
+layout rules under tp or ep, and its DMuon plan (a meta model).
 """
 
 from __future__ import annotations
@@ -86,26 +86,33 @@ def run_cli(commands: list[list[str]]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def lora_config(tmp_path_factory) -> str:
-    """``examples/finetune_lora.yaml`` on a tiny Llama checkpoint written here
-    (several safetensors files and an index, as ``save_pretrained`` writes)."""
+def configs(tmp_path_factory) -> dict[str, str]:
+    """``examples/finetune_lora.yaml`` and ``examples/pipeline_tiny.yaml`` on a
+    tiny Llama checkpoint written here (several safetensors files and an
+    index, as ``save_pretrained`` writes)."""
     from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
 
     root = tmp_path_factory.mktemp("plan-imports")
-    doc = yaml.safe_load((REPO / "examples" / "finetune_lora.yaml").read_text())
-    doc["model"]["pretrained"] = save_tiny_pretrained("llama", root / "llama")
-    doc["model"]["export"] = str(root / "export")
-    path = root / "lora.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
+    checkpoint = save_tiny_pretrained("llama", root / "llama")
+    paths = {}
+    for name in ("finetune_lora", "pipeline_tiny"):
+        doc = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+        doc["model"]["pretrained"] = checkpoint
+        doc["model"]["export"] = str(root / f"{name}-export")
+        paths[name] = root / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(doc))
+    return {name: str(path) for name, path in paths.items()}
 
 
-def test_plan_and_validate_import_neither_torch_nor_ray(lora_config):
+def test_plan_and_validate_import_neither_torch_nor_ray(configs):
     """And the check can fail: a pretrained plan under expert_parallel_size 2,
     run last, imports torch and ``transformers`` (the expert rule runs on a
     meta model, which refuses this dense Llama), never Ray. The NF4 rule reads
     the headers (it refuses this tiny Llama's shards too: exit code 2)."""
+    lora_config, pipeline = configs["finetune_lora"], configs["pipeline_tiny"]
     pretrained = [
+        ["plan", pipeline, "--nodes", "1", "--gpus-per-node", "4"],
+        ["validate", pipeline],
         ["plan", lora_config, "--nodes", "1", "--gpus-per-node", "2"],
         ["plan", lora_config, "--nodes", "2", "--gpus-per-node", "4"],
         ["validate", lora_config],
@@ -126,6 +133,7 @@ def test_plan_and_validate_import_neither_torch_nor_ray(lora_config):
     assert "lora:     frozen base 24,736" in results[-4]["output"], results[-4]["output"]
     assert "DMuon:    Newton–Schulz on 56 matrices" in results[len(COMMANDS) - 2]["output"]
     assert "pipeline: 4 stages" in results[len(COMMANDS) - 1]["output"]
+    assert "pipeline: 2 stages" in results[len(COMMANDS)]["output"]  # pipeline_tiny
     assert last["imported"] == ["torch", "transformers"], last["imported"]
 
 
