@@ -7,7 +7,8 @@ the checkpoint writes (so retries run all along: pyarrow's client tries
 each request up to 3 times itself, and only a request refused past those
 reaches the backend's retry layer, which ``storage_retries`` counts; at 10%
 that is rare, and 0 is the usual count). Each worker samples its resident
-memory, open file descriptors and threads at every save. The run is flat when, after warm-up (the first eighth of the steps):
+memory, open file descriptors and threads at every save. The run is flat
+when, after warm-up (the first eighth of the steps):
 
 - the median RSS of the last eighth of the steps is at most
   ``max(2%, 16 MiB)`` above the median of the second eighth;
