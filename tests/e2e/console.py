@@ -45,16 +45,23 @@ def expected_console_lines() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
+_TRACEBACK_START = re.compile(r'^(Traceback \(most recent call last\):|\s+File ")')
+
+
 def without_expected_tracebacks(log: str) -> list[str]:
     """The log's lines less each traceback whose final (exception) line is an
     expected console line: with worker lines unprefixed (docs/monitoring.md),
     a crowded machine's placement-group cleaner prints its "Found multiple
-    active Ray instances" traceback as bare lines. Any other traceback stays."""
+    active Ray instances" traceback as bare lines, whose header Ray's log
+    streaming can deliver after the frames: a block starts at the header or at
+    a frame line. Any other traceback stays."""
     allowed = [re.compile(p) for p in expected_console_lines()]
     kept, block = [], None
     for line in _ANSI.sub("", log).splitlines():
-        if block is None and line.lstrip().startswith("Traceback (most recent call last):"):
+        if block is None and _TRACEBACK_START.match(line):
             block = [line]
+        elif block is not None and line.startswith("Traceback (most recent call last):"):
+            block.append(line)
         elif block is not None and (not line.strip() or line[:1].isspace()):
             block.append(line)
         elif block is not None:  # the exception line ends the traceback

@@ -25,6 +25,12 @@ UNEXPECTED = {
         '  File "/x/ray_fsdp_backend/trainer/train.py", line 3, in <module>',
         "ValueError: something broke",
     ],
+    "traceback, frames first": [
+        '  File "/x/ray_fsdp_backend/trainer/train.py", line 3, in <module>',
+        "    run()",
+        "Traceback (most recent call last):",
+        "ValueError: something broke",
+    ],
     "ray prefix": [
         "(RayTrainWorker pid=123) step   1/150 | loss 5.5914 | grad norm 6.272 | lr 2.00e-04 | "
         "3,838 tok/s (1,919/rank) | 534 ms/step | mem 0.55 GiB | ETA 00:01:19"
@@ -34,6 +40,17 @@ EXPECTED_TRACEBACK = [
     "Traceback (most recent call last):",
     '  File "/x/ray/train/v2/_internal/callbacks/placement_group_cleaner.py", line 9, in run',
     "ValueError: Found multiple active Ray instances: {'127.0.0.1:6379', '127.0.0.1:6380'}",
+]
+
+
+FRAMES_FIRST = [  # what .ci/run's quick start printed: Ray streamed the header after the frames
+    "Exception in thread PlacementGroupCleanerMonitor:",
+    '  File "/x/python3.11/threading.py", line 1045, in _bootstrap_inner',
+    "    self.run()",
+    '  File "/x/ray/_private/services.py", line 760, in canonicalize_bootstrap_address_or_die',
+    "    raise ConnectionError(",
+    "Traceback (most recent call last):",
+    "ConnectionError: Found multiple active Ray instances: {'127.0.0.1:6379', '127.0.0.1:6380'}",
 ]
 
 
@@ -53,6 +70,7 @@ def test_a_sample_passes_and_any_unexpected_line_fails(doc, name):
     assert_console_is_sample("\n".join(lines), doc, name)
     assert_quiet("\n".join(lines))
     assert_console_is_sample(_with(lines, EXPECTED_TRACEBACK), doc, name)
+    assert_console_is_sample(_with(lines, FRAMES_FIRST), doc, name)
     for what, extra in UNEXPECTED.items():
         with pytest.raises(AssertionError):
             assert_console_is_sample(_with(lines, extra), doc, name)
