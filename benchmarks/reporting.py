@@ -73,7 +73,9 @@ def _ms_per_step(steps: int, log_every: int, ray_report: bool, storage: str) -> 
 def run(*, steps: int = 60, reps: int = 2) -> dict:
     import ray
 
-    ray.init(address="local", num_cpus=3, log_to_driver=False)
+    from ray_fsdp_backend.ray_start import init_ray
+
+    init_ray("local", num_cpus=3, log_to_driver=False)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     try:
         with tempfile.TemporaryDirectory() as storage:

@@ -140,9 +140,11 @@ def run_clipping(worlds, counts, reps, steps) -> list[dict]:
 def run_startup(**kwargs) -> dict:
     import ray
 
-    # The dashboard stays on so that Train V2's placement-group cleaner asks
-    # this cluster's State API, not another cluster's (see tests/conftest.py).
-    ray.init(address="local", num_cpus=kwargs["workers"] + 1, include_dashboard=True,
+    from ray_fsdp_backend.ray_start import init_ray
+
+    # Train V2's placement-group cleaner asks this cluster's State API: the
+    # dashboard stays on to answer it (see ray_fsdp_backend/ray_start.py).
+    init_ray("local", num_cpus=kwargs["workers"] + 1, include_dashboard=True,
              log_to_driver=False)  # fmt: skip
     try:
         with tempfile.TemporaryDirectory() as storage:

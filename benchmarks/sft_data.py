@@ -104,8 +104,9 @@ def ray_data(directory: str, tokenizer, seq_len: int, cpus: int) -> dict:
     import ray
 
     import ray_fsdp_backend as rfb
+    from ray_fsdp_backend.ray_start import init_ray
 
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    init_ray("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
         out = {}

@@ -94,6 +94,7 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, stream_above=64 * 1024,
 
     import ray_fsdp_backend as rfb
     from ray_fsdp_backend.checkpoint import CheckpointStore
+    from ray_fsdp_backend.ray_start import init_ray
     from tests.conftest import S3Server, moto_server
     from tests.fault_proxy import FaultProxy
 
@@ -102,7 +103,7 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, stream_above=64 * 1024,
         proxy.throttle(throttle)
         fs = S3Server(proxy.port).filesystem()
         fs.create_dir(BUCKET)
-        ray.init(address="local", num_cpus=workers + 1, include_dashboard=True,
+        init_ray("local", num_cpus=workers + 1, include_dashboard=True,
                  log_to_driver=False, runtime_env={"env_vars": {"TMPDIR": tmp}})  # fmt: skip
         start = time.monotonic()
         try:

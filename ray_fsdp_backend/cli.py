@@ -26,6 +26,7 @@ from ray_fsdp_backend.elastic import worker_range
 from ray_fsdp_backend.expert_plan import moe_model_from_hf
 from ray_fsdp_backend.optional_imports import keep_torchao_unimported
 from ray_fsdp_backend.plan_report import format_elastic_plan, format_plan, model_config_from_hf
+from ray_fsdp_backend.ray_start import init_ray
 from ray_fsdp_backend.trainer.preflight import cluster_errors
 from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.spec import (
@@ -214,20 +215,22 @@ def run_training(spec: RunSpec, name: str):
     Before the trainer is built, the workers' resources are checked against
     the cluster's (:func:`~ray_fsdp_backend.trainer.preflight.cluster_errors`):
     a local cluster is refused with the keys to change, a joined one (whose
-    autoscaler may add nodes) is warned about. Ctrl-C stops the run and the
-    local cluster this started."""
+    autoscaler may add nodes) is warned about. Either way the job's workers
+    know which cluster is theirs (:mod:`~ray_fsdp_backend.ray_start`: Ray
+    Train's placement-group cleaner would search the host for one). Ctrl-C
+    stops the run and the local cluster this started."""
     quiet_driver_console(local=not os.environ.get("RAY_ADDRESS"))
     import ray
 
     started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
-            ray.init()
+            init_ray(None)
         else:
             # address="local" starts a fresh cluster: never join a stale one by
             # accident. Give it a CPU beyond the workers' (logical) so Ray Data
             # tasks can run beside them on a 2-core machine instead of waiting.
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, _worker_cpus(spec) + 1))
+            init_ray("local", num_cpus=max(os.cpu_count() or 1, _worker_cpus(spec) + 1))
     try:
         return in_thread(_fit, spec, name, ray.cluster_resources(), refuse=started)
     finally:

@@ -27,8 +27,9 @@ is shut down (:func:`pytest_runtest_setup`), so a module that starts its own
 (``ray.cluster_utils.Cluster``, ``ray start --head``, a ``ray-fsdp train``
 without ``RAY_ADDRESS``, the benchmarks' ``ray.init``) never runs beside it in
 the same process. Two clusters can still run at once, one per pytest worker
-(as before): each keeps its own dashboard so that Train V2's placement-group
-cleaner asks its own State API (see :func:`_start_shared`).
+(as before): each keeps its own dashboard, and its workers know which cluster
+is theirs, so that Train V2's placement-group cleaner asks its own State API
+(see :func:`_start_shared`).
 
 S3: ``s3_server`` (session scope), a moto server on loopback (:func:`moto_server`).
 """
@@ -65,19 +66,20 @@ def _start_shared():
     """Start (once) and connect to this process's shared local cluster.
 
     ``address="local"`` always starts a new cluster, so a cluster left behind by
-    another run on this machine is never joined by mistake. The dashboard stays
-    on: Train V2's placement-group cleaner asks the State API whether the
-    controller is alive, and without a dashboard of its own that query goes to
-    127.0.0.1:8265, where another cluster's dashboard answers "no such actor",
-    and the cleaner removes this run's placement group (Ray 2.60).
+    another run on this machine is never joined by mistake. Train V2's
+    placement-group cleaner asks the State API whether the controller is
+    alive: the dashboard stays on to answer, and the workers pin
+    ``RAY_ADDRESS`` to this cluster (:mod:`ray_fsdp_backend.ray_start`), or
+    the cleaner may ask the other pytest worker's cluster, hear "no such
+    actor" and remove this run's placement group (Ray 2.60).
     """
     import ray
 
+    from ray_fsdp_backend.ray_start import init_ray
+
     if "address" not in _shared or not ray.is_initialized():
         _stop_shared()
-        context = ray.init(
-            address="local", num_cpus=RAY_CPUS, include_dashboard=True, log_to_driver=False
-        )
+        context = init_ray("local", num_cpus=RAY_CPUS, include_dashboard=True, log_to_driver=False)
         _shared["address"] = context.address_info["address"]
     return ray
 

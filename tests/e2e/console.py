@@ -51,10 +51,10 @@ _TRACEBACK_START = re.compile(r'^(Traceback \(most recent call last\):|\s+File "
 def without_expected_tracebacks(log: str) -> list[str]:
     """The log's lines less each traceback whose final (exception) line is an
     expected console line: with worker lines unprefixed (docs/monitoring.md),
-    a crowded machine's placement-group cleaner prints its "Found multiple
-    active Ray instances" traceback as bare lines, whose header Ray's log
-    streaming can deliver after the frames: a block starts at the header or at
-    a frame line. Any other traceback stays."""
+    an overloaded controller prints its "Failed to stop PlacementGroupCleaner
+    gracefully" traceback (ending in ``GetTimeoutError``) as bare lines, whose
+    header Ray's log streaming can deliver after the frames: a block starts at
+    the header or at a frame line. Any other traceback stays."""
     allowed = [re.compile(p) for p in expected_console_lines()]
     kept, block = [], None
     for line in _ANSI.sub("", log).splitlines():

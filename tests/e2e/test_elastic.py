@@ -39,6 +39,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_fsdp_backend as rfb
+from ray_fsdp_backend.ray_start import init_ray
 from ray_fsdp_backend.trainer.data import WindowOrder, load_corpus
 from tests.e2e.elastic_fns import train_recording
 
@@ -205,7 +206,7 @@ def test_elastic_run_at_tp_2_shrinks_grows_and_matches_a_fixed_size_run(tmp_path
     # Each node change and each finished attempt waits for the controller's
     # next poll of its workers: every 0.25 s in the tests (tests/conftest.py).
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    ray.init(address=cluster.address, log_to_driver=False)
+    init_ray(cluster.address, log_to_driver=False)
     try:
         run = ElasticRun(cluster, tmp_path / "elastic_tp2", tmp_path / "runs", TP2)
         deadline, fixed = time.time() + 600, None

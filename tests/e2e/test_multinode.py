@@ -12,6 +12,7 @@ from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_fsdp_backend as rfb
+from ray_fsdp_backend.ray_start import init_ray
 from tests.e2e.train_fns import reference_toy, train_toy
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +26,7 @@ def two_nodes():
     for _ in range(2):
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    init_ray(cluster.address, log_to_driver=False)
     try:
         yield cluster
     finally:

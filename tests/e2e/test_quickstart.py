@@ -6,6 +6,11 @@ with ``--set``, and checks that the loss goes down and the outputs exist. The
 same run (one Ray start) checks what a user watches: the progress lines and
 no Ray report lines on the console, the reported step metrics (tokens counted,
 throughput, memory, MFU with a configured peak) and the TensorBoard scalars.
+
+Another local cluster runs on the host throughout (this pytest worker's shared
+one, ``ray_local``), as on a crowded machine: Ray Train's placement-group
+cleaner, which would search the host for its cluster and print "Found multiple
+active Ray instances", must find the run's own (``ray_fsdp_backend.ray_start``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_quickstart_trains_and_lowers_the_loss(tmp_path):
+def test_quickstart_trains_and_lowers_the_loss(tmp_path, ray_local):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
