@@ -34,6 +34,13 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def one_thread(rank: int, world: int, fn, kwargs: dict) -> dict:
+    """``fn(rank, world, **kwargs)`` with one intra-op thread: on a shared
+    machine, OpenMP threads that wait for a busy core make timings meaningless."""
+    torch.set_num_threads(1)
+    return fn(rank, world, **kwargs)
+
+
 def alternate(
     candidates: dict[str, Callable[[], object]], *, reps: int, steps: int, warmup: int = 1
 ) -> dict[str, list[float]]:

@@ -171,10 +171,13 @@ def _entry(rank: int, world: int, kwargs: dict) -> dict:
     return on_rank(rank, world, **kwargs)
 
 
-def run(*, worlds, model: dict, reps: int, steps: int) -> list[dict]:
-    """Start a moto S3 server in this process and measure at each world size."""
+def run(*, worlds, model: dict, reps: int, steps: int, run_ranks=None) -> list[dict]:
+    """Start a moto S3 server in this process and measure at each world size;
+    ``run_ranks``: the gloo harness's (the default) or a rank pool's."""
     from tests.conftest import moto_server
-    from tests.dist.harness import run_ranks
+
+    if run_ranks is None:
+        from tests.dist.harness import run_ranks
 
     with moto_server() as server:
         server.filesystem().create_dir("bench-ckpt")

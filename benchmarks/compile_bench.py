@@ -21,7 +21,7 @@ import torch
 
 from benchmarks import _measure, _workload
 from benchmarks.step_time import ours_step
-from ray_fsdp_backend import FSDPConfig, build_strategy
+from ray_fsdp_backend import FSDPSettings, build_strategy
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,7 @@ def on_rank(rank: int, world: int, *, model: dict, batch: int, accum: int, reps:
     batches = _workload.make_batches(model, batch, accum, rank)
     runs, first, compile_s = {}, {}, None
     for name, compiled in (("compiled", True), ("eager", False)):
-        cfg = FSDPConfig(use_fsdp=True, use_mixed_precision=False, compile=compiled)
+        cfg = FSDPSettings(use_fsdp=True, use_mixed_precision=False, compile=compiled)
         strategy = build_strategy(cfg, device=CPU, local_rank=rank)
         wrapped = strategy.wrap(_workload.build_model(model))
         opt = _workload.make_optimizer(wrapped)

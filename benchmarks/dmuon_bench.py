@@ -213,9 +213,12 @@ def run(
     n_layers: int = 4,
     reps: int = 5,
     steps: int = 2,
+    run_ranks=None,
 ) -> dict:
-    """Benchmark results as a JSON-ready dict (see the module docstring)."""
-    from tests.dist.harness import run_ranks
+    """Benchmark results as a JSON-ready dict (see the module docstring);
+    ``run_ranks``: the gloo harness's (the default) or a rank pool's."""
+    if run_ranks is None:
+        from tests.dist.harness import run_ranks
 
     dmuon = {r: run_ranks(_dmuon_on_ranks, r, tuple(sizes), n_layers, reps, steps) for r in ranks}
     results = []

@@ -167,13 +167,12 @@ def _baseline_pythonpath(commit: str, root: str) -> str:
     return f"{shim}{os.pathsep}{ROOT}"
 
 
-def _run_side(world: int, port: int, pythonpath: str | None, export_port, cwd: str) -> dict:
+def _run_side(world: int, port: int, pythonpath: str | None, export_port, cwd: str,
+              run_ranks) -> dict:  # fmt: skip
     """One side at one world size, in a fresh interpreter (the package under test first);
-    ``pythonpath`` None: this interpreter's package, ranks spawned from here (the quick
+    ``pythonpath`` None: this interpreter's package, on ``run_ranks`` (the quick
     run, which has one side only)."""
     if pythonpath is None:
-        from tests.dist.harness import run_ranks
-
         return json.loads(json.dumps(run_ranks(on_rank, world, port, export_port)))
     env = {**os.environ, "PYTHONPATH": pythonpath}
     code = (
@@ -191,10 +190,15 @@ def _run_side(world: int, port: int, pythonpath: str | None, export_port, cwd: s
     return json.loads(lines[-1][len("RESULT") :])
 
 
-def run(worlds, dim, layers, vocab, latency_s, baseline) -> dict:
+def run(worlds, dim, layers, vocab, latency_s, baseline, run_ranks=None) -> dict:
+    """Both sides at each world size (only "after" without ``baseline``);
+    ``run_ranks``: the gloo harness's (the default) or a rank pool's."""
     import pyarrow.fs as pafs
 
     from tests.conftest import moto_server
+
+    if run_ranks is None:
+        from tests.dist.harness import run_ranks
 
     with tempfile.TemporaryDirectory() as root, moto_server() as server:
         path, size, tensors = make_checkpoint(root, dim, layers, vocab)
@@ -214,7 +218,7 @@ def run(worlds, dim, layers, vocab, latency_s, baseline) -> dict:
                 for side, pythonpath in sides:
                     proxy.down = proxy.up = proxy.requests = 0
                     export_port = export_proxy.port if side == "after" else None
-                    got = _run_side(world, proxy.port, pythonpath, export_port, root)
+                    got = _run_side(world, proxy.port, pythonpath, export_port, root, run_ranks)
                     got["store_bytes_down"], got["requests"] = proxy.down, proxy.requests
                     if export_port:
                         got["export_requests"], got["export_bytes_up"] = (

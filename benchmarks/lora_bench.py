@@ -32,11 +32,11 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _build(rank: int, path: str, side: str):
-    from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
+    from ray_fsdp_backend import FSDPSettings, build_strategy, load_pretrained
     from ray_fsdp_backend.hf.models import build_causal_lm
     from ray_fsdp_backend.trainer.lora import LoraOptions, apply_lora
 
-    config = FSDPConfig(use_fsdp=True, use_mixed_precision=False)
+    config = FSDPSettings(use_fsdp=True, use_mixed_precision=False)
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)
     model = build_causal_lm(path)
     rank_r = SIDES[side]

@@ -78,9 +78,9 @@ def on_rank(rank: int, world: int, path: str, side: str, reps: int) -> dict:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import ray_fsdp_backend.hf.models  # noqa: F401
-    from ray_fsdp_backend import FSDPConfig, build_strategy
+    from ray_fsdp_backend import FSDPSettings, build_strategy
 
-    config = FSDPConfig(use_fsdp=True, use_mixed_precision=False)
+    config = FSDPSettings(use_fsdp=True, use_mixed_precision=False)
     load = _ours if side == "ours" else _full
     times = []
     for rep in range(reps):

@@ -25,18 +25,20 @@ medians and the median ratio):
 
 and writes ``results.json`` and ``results.md`` into ``--out``
 (default ``benchmarks/results``). ``--quick`` uses the smallest sizes and
-the fewest spawned jobs (the test suite's smoke run, :data:`ONE_SPAWN`);
+runs every job of 2 ranks on one spawned group (the test suite's smoke run,
+:data:`POOL_WORLD`);
 ``--only`` picks comparisons by name. ``results.json`` records each
 comparison's seconds (``seconds``).
 
     python -m benchmarks.run                       # everything, ~4 min on 2 cores
-    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~4 min on 2 busy cores
+    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~1 min on 2 cores
     python -m benchmarks.run --update-docs       # and put the tables into docs/benchmarks.md
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -49,6 +51,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import (
+    _measure,
     checkpoint_io,
     clipping,
     compile_bench,
@@ -62,6 +65,7 @@ from benchmarks import (
     step_time,
     tensor_parallel_bench,
 )
+from benchmarks._pool import RankPool
 from tests.dist.harness import run_ranks
 
 COMPARISONS = (
@@ -120,89 +124,65 @@ SETTINGS = {
 }
 
 
-def _on_rank(rank: int, world: int, fn, kwargs: dict) -> dict:
-    # One intra-op thread per rank: on a shared machine, OpenMP threads that
-    # wait for a busy core make timings meaningless.
-    torch.set_num_threads(1)
-    return fn(rank, world, **kwargs)
+# Ranks unpickle this by name: from a light module, not from this one (which
+# imports every comparison, Ray Train and pyarrow into each spawned rank).
+_on_rank = _measure.one_thread
 
 
-def run_step_time(worlds, model, batch, accum, reps, steps) -> list[dict]:
+def run_step_time(worlds, model, batch, accum, reps, steps, run_ranks=run_ranks) -> list[dict]:
     kwargs = dict(model=model, batch=batch, accum=accum, reps=reps, steps=steps)
     return [run_ranks(_on_rank, w, step_time.on_rank, kwargs) for w in worlds]
 
 
-def run_clipping(worlds, counts, reps, steps) -> list[dict]:
+def run_clipping(worlds, counts, reps, steps, run_ranks=run_ranks) -> list[dict]:
     kwargs = dict(counts=tuple(counts), reps=reps, steps=steps)
     return [run_ranks(_on_rank, w, clipping.on_rank, kwargs) for w in worlds]
 
 
-def run_startup(**kwargs) -> dict:
+def run_startup(run_ranks=None, **kwargs) -> dict:
+    """On the cluster this process is connected to (the test suite's shared
+    one, left running), else on a local cluster started and shut down here."""
     import ray
 
     from ray_fsdp_backend.ray_start import init_ray
 
-    # Train V2's placement-group cleaner asks this cluster's State API: the
-    # dashboard stays on to answer it (see ray_fsdp_backend/ray_start.py).
-    init_ray("local", num_cpus=kwargs["workers"] + 1, include_dashboard=True,
-             log_to_driver=False)  # fmt: skip
+    started = not ray.is_initialized()
+    if started:
+        # Train V2's placement-group cleaner asks this cluster's State API: the
+        # dashboard stays on to answer it (see ray_fsdp_backend/ray_start.py).
+        init_ray("local", num_cpus=kwargs["workers"] + 1, include_dashboard=True,
+                 log_to_driver=False)  # fmt: skip
     try:
         with tempfile.TemporaryDirectory() as storage:
             return startup.run(**kwargs, storage=storage)
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
 
 
-def run_dmuon(sizes, ranks, steps) -> dict:
-    return dmuon_bench.run(sizes=tuple(sizes), ranks=tuple(ranks), steps=steps)
+def run_dmuon(sizes, ranks, steps, run_ranks=run_ranks) -> dict:
+    return dmuon_bench.run(sizes=tuple(sizes), ranks=tuple(ranks), steps=steps,
+                           run_ranks=run_ranks)  # fmt: skip
 
 
-def run_scaling(world, **kwargs) -> dict:
+def run_scaling(world, run_ranks=run_ranks, **kwargs) -> dict:
     return run_ranks(_on_rank, world, scaling.on_rank, kwargs)
 
 
-def run_compile(world, **kwargs) -> dict:
+def run_compile(world, run_ranks=run_ranks, **kwargs) -> dict:
     return run_ranks(_on_rank, world, compile_bench.on_rank, kwargs)
 
 
-def run_pretrained(**kwargs) -> dict:
+def run_pretrained(run_ranks=run_ranks, **kwargs) -> dict:
     return pretrained.run(run_ranks, **kwargs)
 
 
-def run_lora(**kwargs) -> dict:
+def run_lora(run_ranks=run_ranks, **kwargs) -> dict:
     return lora_bench.run(run_ranks, **kwargs)
 
 
-def run_tensor_parallel(world, **kwargs) -> dict:
+def run_tensor_parallel(world, run_ranks=run_ranks, **kwargs) -> dict:
     return run_ranks(_on_rank, world, tensor_parallel_bench.on_rank, kwargs)
-
-
-ONE_SPAWN = {
-    "step_time": step_time.on_rank,
-    "clipping": clipping.on_rank,
-    "scaling": scaling.on_rank,
-    "compile": compile_bench.on_rank,
-}
-"""The comparisons that ``--quick`` runs in one spawned job of 2 ranks, one
-after another: a job's start (spawning the ranks, importing torch, a process
-group) costs more than each of them does at its smallest sizes."""
-
-
-def _one_spawn_on_rank(rank: int, world: int, jobs: tuple) -> dict:
-    return {name: _on_rank(rank, world, fn, kwargs) for name, fn, kwargs in jobs}
-
-
-def run_in_one_spawn(settings: dict[str, dict], world: int = 2) -> dict:
-    """``{name: result}`` as the runners return them (a list per world size for
-    ``step_time`` and ``clipping``) for comparisons of :data:`ONE_SPAWN` whose
-    settings are at ``world`` ranks only, all in one job."""
-    jobs = []
-    for name, cfg in settings.items():
-        assert cfg.get("worlds", (cfg.get("world"),)) == (world,), (name, cfg)
-        kwargs = {k: v for k, v in cfg.items() if k not in ("world", "worlds")}
-        jobs.append((name, ONE_SPAWN[name], kwargs))
-    out = run_ranks(_one_spawn_on_rank, world, tuple(jobs))
-    return {n: [out[n]] if "worlds" in settings[n] else out[n] for n in settings}
 
 
 RUNNERS = {
@@ -218,6 +198,13 @@ RUNNERS = {
     "tensor_parallel": run_tensor_parallel,
     "hf_s3": hf_s3.run,
 }
+"""Each takes its settings and ``run_ranks`` (the gloo harness's, or a
+:class:`~benchmarks._pool.RankPool`'s)."""
+
+POOL_WORLD = 2
+"""``--quick`` runs every job of 2 ranks on one :class:`~benchmarks._pool.RankPool`:
+a job's start (spawning the ranks, importing torch and transformers, a
+process group) costs more than each comparison does at its smallest sizes."""
 
 
 def machine() -> dict:
@@ -248,15 +235,13 @@ def run(mode: str = "full", only: tuple[str, ...] = COMPARISONS) -> dict:
     """Every selected comparison's results, as one JSON-ready dict."""
     settings = {name: SETTINGS[mode][name] for name in only}
     results = {"mode": mode, "machine": machine(), "settings": settings, "seconds": {}}
-    together = {n: s for n, s in settings.items() if n in ONE_SPAWN and mode == "quick"}
-    if together:
-        start = time.perf_counter()
-        results.update(run_in_one_spawn(together))
-        results["seconds"]["+".join(together)] = round(time.perf_counter() - start, 1)
-    for name in only:
-        if name not in results:
+    with contextlib.ExitStack() as stack:
+        ranks = run_ranks
+        if mode == "quick":
+            ranks = stack.enter_context(RankPool(POOL_WORLD)).run_ranks
+        for name in only:
             start = time.perf_counter()
-            results[name] = RUNNERS[name](**settings[name])
+            results[name] = RUNNERS[name](**settings[name], run_ranks=ranks)
             results["seconds"][name] = round(time.perf_counter() - start, 1)
     return results
 

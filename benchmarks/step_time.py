@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from benchmarks import _measure, _workload
-from ray_fsdp_backend import FSDPConfig, ShardingStrategy, build_strategy
+from ray_fsdp_backend import FSDPSettings, ShardingStrategy, build_strategy
 from ray_fsdp_backend.memory import ModelSize, estimate_memory
 from ray_fsdp_backend.trainer.model import ModelConfig
 
@@ -37,11 +37,11 @@ STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard")
 CPU = torch.device("cpu")
 
 
-def config_for(strategy: str | None, world: int) -> FSDPConfig:
+def config_for(strategy: str | None, world: int) -> FSDPSettings:
     if strategy is None:
-        return FSDPConfig(use_fsdp=False, use_mixed_precision=False)
+        return FSDPSettings(use_fsdp=False, use_mixed_precision=False)
     hybrid = ShardingStrategy(strategy).is_hybrid
-    return FSDPConfig(
+    return FSDPSettings(
         use_fsdp=True,
         fsdp_sharding_strategy=strategy,
         use_mixed_precision=False,

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks import _measure, _workload
 from benchmarks._collectives import CollectiveLog
-from ray_fsdp_backend import FSDPConfig, build_strategy
+from ray_fsdp_backend import FSDPSettings, build_strategy
 from ray_fsdp_backend.memory import estimate_activations, estimate_tp_block_traffic
 from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
 from ray_fsdp_backend.topology import topology_from_node_counts
@@ -61,7 +61,7 @@ def _global_batch(model: dict, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _setup(rank: int, world: int, run: tuple, model: dict, batch: int):
     tp, sp, before = run
-    cfg = FSDPConfig(
+    cfg = FSDPSettings(
         use_fsdp=True, use_mixed_precision=False, tensor_parallel_size=tp, sequence_parallel=sp
     )
     layout = resolve_layout(cfg, topology_from_node_counts([world]))
@@ -106,7 +106,7 @@ def _global_loss(local: float, world: int) -> float:
     return float(t) / world
 
 
-def _activation_bytes(model: dict, rows: int, cfg: FSDPConfig) -> int:
+def _activation_bytes(model: dict, rows: int, cfg: FSDPSettings) -> int:
     return estimate_activations(
         ModelConfig(**model).activation_shape(rows),
         tp=cfg.tensor_parallel_size,
@@ -126,7 +126,7 @@ def _logged_step(run: tuple, world: int) -> tuple[float, float]:
     return sent, _global_loss(loss, world)
 
 
-def _block_estimate(model: dict, rows: int, cfg: FSDPConfig) -> int:
+def _block_estimate(model: dict, rows: int, cfg: FSDPSettings) -> int:
     return estimate_tp_block_traffic(
         ModelConfig(**model).activation_shape(rows),
         tp=cfg.tensor_parallel_size,

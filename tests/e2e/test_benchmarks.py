@@ -21,7 +21,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, ray_local):
+    """The quick run, its start-up comparison on this worker's shared cluster."""
     out = run.main(["--quick", "--out", str(tmp_path_factory.mktemp("bench"))])
     return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
