@@ -31,7 +31,7 @@ runs every job of 2 ranks on one spawned group (the test suite's smoke run,
 comparison's seconds (``seconds``).
 
     python -m benchmarks.run                       # everything, ~4 min on 2 cores
-    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~1 min on 2 cores
+    python -m benchmarks.run --quick --out /tmp/b  # smallest sizes, ~1.5 min on 2 busy cores
     python -m benchmarks.run --update-docs       # and put the tables into docs/benchmarks.md
 """
 
