@@ -13,7 +13,9 @@ transformers, peft and torchao once (those the test process has imported): a
 rank starts in a fraction of a second instead of paying 3-10 s of imports,
 most of a short gloo test's wall on 2 cores. Each rank still starts from a
 process that has run no op, and takes the caller's environment and working
-directory as a spawned one would.
+directory as a spawned one would. The server runs one thread (``SERVER_ENV``):
+an earlier try, whose server carried idle BLAS and jemalloc threads, once lost
+a rank without a traceback in the whole layer.
 """
 
 from __future__ import annotations
@@ -58,10 +60,29 @@ package the test process has imported (a module of tests that use no peft
 pays no peft import)."""
 
 
+SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
+"""The forkserver's own environment: its imports start no native thread
+(numpy's and scipy's OpenBLAS servers, pyarrow's jemalloc background thread),
+so no rank forks from a process whose other threads held a lock. The ranks
+take the caller's environment back (:func:`_caller_environment`)."""
+
+
 def _start_method() -> str:
-    """``"forkserver"``, its preload set on first use (the server starts once
-    per test process, at the first spawn, and keeps its preload)."""
+    """``"forkserver"``, started on first use (once per test process, with
+    :data:`PRELOAD`'s imports and :data:`SERVER_ENV`); it keeps its imports."""
+    from multiprocessing import forkserver
+
     mp.set_forkserver_preload([m for m in PRELOAD if m.split(".")[0] in sys.modules])
+    saved = {key: os.environ.get(key) for key in SERVER_ENV}
+    os.environ.update(SERVER_ENV)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
     return "forkserver"
 
 
