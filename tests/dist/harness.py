@@ -48,6 +48,7 @@ PRELOAD = (
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
+    "pyarrow",
     "ray",
     "ray_fsdp_backend._worker",
     "transformers",

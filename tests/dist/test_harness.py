@@ -3,8 +3,9 @@ forkserver run as spawned ones would, and a failing rank is named.
 
 A rank sees the caller's environment and working directory at the call (not
 the forkserver's, started earlier), ``tempfile`` honours the caller's
-``TMPDIR``, the forkserver runs a single thread, and a rank that raises fails
-the call with its traceback.
+``TMPDIR``, the forkserver runs a single thread (pyarrow imported here is in
+its preload: its jemalloc starts a background thread unless ``SERVER_ENV``
+turns it off), and a rank that raises fails the call with its traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 import tempfile
 
+import pyarrow  # noqa: F401  (the forkserver preloads it: its jemalloc starts a thread)
 import pytest
 import torch.distributed as dist
 
