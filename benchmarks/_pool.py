@@ -17,6 +17,7 @@ Every job starts from ``torch.manual_seed(0)``, as a fresh spawn does.
 
 from __future__ import annotations
 
+import os
 import queue
 import tempfile
 
@@ -48,7 +49,7 @@ class RankPool:
         self._results = ctx.Queue()
         self._dir = tempfile.TemporaryDirectory()
         args = (world, harness.free_port(), self._dir.name, _serve,
-                (self._jobs, self._results), "gloo", timeout_s)  # fmt: skip
+                (self._jobs, self._results), "gloo", timeout_s, dict(os.environ))  # fmt: skip
         self._context = mp.start_processes(
             harness._entry, args=args, nprocs=world, join=False, start_method="spawn"
         )
