@@ -25,11 +25,13 @@ starts (and shuts down) its own.
 A test that needs none of them gets no cluster: before it runs, the shared one
 is shut down (:func:`pytest_runtest_setup`), so a module that starts its own
 (``ray.cluster_utils.Cluster``, ``ray start --head``, a ``ray-fsdp train``
-without ``RAY_ADDRESS``, the benchmarks' ``ray.init``) never runs beside it in
-the same process. Two clusters can still run at once, one per pytest worker
-(as before): each keeps its own dashboard, and its workers know which cluster
-is theirs, so that Train V2's placement-group cleaner asks its own State API
-(see :func:`_start_shared`).
+without ``RAY_ADDRESS``, the soak's ``init_ray``) never runs beside it in
+the same process; the quick start asks for ``ray_local`` on purpose, to run
+its own cluster beside a second one (``tests/e2e/test_quickstart.py``).
+Two clusters can still run at once, one per pytest worker (as before): each
+keeps its own dashboard, and its workers know which cluster is theirs, so
+that Train V2's placement-group cleaner asks its own State API (see
+:func:`_start_shared`).
 
 S3: ``s3_server`` (session scope), a moto server on loopback (:func:`moto_server`).
 """
