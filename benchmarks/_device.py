@@ -31,7 +31,7 @@ def init_single_rank(device: torch.device) -> None:
     under CPU offload's backend string (``cuda:nccl,cpu:gloo``) as the Ray backend
     resolves it, so offload can run through it."""
     from ray_fsdp_backend import FSDPConfig
-    from ray_fsdp_backend.backend import resolve_pg_backend
+    from ray_fsdp_backend.runtime.backend import resolve_pg_backend
     from tests.dist.harness import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 
 MAX_NORM = 1.0
 LR = 1e-3

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from benchmarks import _measure
 from benchmarks._collectives import CollectiveLog
-from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.distributed.clip import clip_grad_norm_
 
 MAX_NORM = 1e-3
 TENSOR_COUNTS = (10, 100, 1000)

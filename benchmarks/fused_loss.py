@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ray_fsdp_backend.loss import linear_cross_entropy
+from ray_fsdp_backend.ops.loss import linear_cross_entropy
 
 
 def host_allocations(fn) -> list[int]:

@@ -57,7 +57,7 @@ def _build_models(preset: dict, device: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ray_fsdp_backend import FSDPConfig, build_strategy
-    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 
     cfg = ModelConfig(**preset)
     strategy = build_strategy(
@@ -143,7 +143,7 @@ def throughput(preset: dict, device: torch.device, *, batch: int, steps: int, re
 
 def dmuon_shapes(preset: dict) -> dict[tuple[int, int], int]:
     """How many matrices of each shape DMuon orthogonalises in the decoder."""
-    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 
     with torch.device("meta"):
         model = Transformer(ModelConfig(**preset))
@@ -189,7 +189,7 @@ def offload_hsdp_dmuon(preset: dict, device: torch.device, *, batch: int, steps:
     from benchmarks import _workload
     from ray_fsdp_backend import FSDPConfig, build_strategy
     from ray_fsdp_backend.dmuon.optimizer import Muon
-    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 
     cfg = ModelConfig(**preset)
     config = FSDPConfig(use_fsdp=True, fsdp_sharding_strategy="hybrid_shard",
@@ -232,7 +232,7 @@ def run(preset: dict, device: torch.device, *, batch: int, steps: int, reps: int
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from ray_fsdp_backend.trainer.model import PRESETS
+    from ray_fsdp_backend.models.decoder import PRESETS
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--sustained" in argv:  # its own options: see benchmarks/sustained.py

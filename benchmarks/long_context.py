@@ -36,7 +36,7 @@ from ray_fsdp_backend.context_parallel import (
     pack_documents,
     shard_sequence,
 )
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 
 REPEATS = 3
 

@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from benchmarks import _measure
 from benchmarks._collectives import CollectiveLog
 from ray_fsdp_backend import FSDPConfig, build_strategy
-from ray_fsdp_backend.expert_plan import moe_model_from_hf
-from ray_fsdp_backend.memory import estimate_expert_traffic
-from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
-from ray_fsdp_backend.topology import (
+from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.planning.experts import moe_model_from_hf
+from ray_fsdp_backend.planning.memory import estimate_expert_traffic
+from ray_fsdp_backend.planning.topology import (
     EP_AXIS,
     EXPERT_SHARD_AXIS,
     SHARD_AXIS,

@@ -37,8 +37,8 @@ def _loop(loop_config: dict) -> list[dict]:
     import ray.train
 
     import ray_fsdp_backend as rfb
-    from ray_fsdp_backend.trainer.spec import build_spec
-    from ray_fsdp_backend.trainer.train import run_training
+    from ray_fsdp_backend.trainer.loop.train import run_training
+    from ray_fsdp_backend.trainer.schema.spec import build_spec
 
     ray_report = loop_config.pop("ray_report")
     spec = build_spec(loop_config)
@@ -50,7 +50,7 @@ def _ms_per_step(steps: int, log_every: int, ray_report: bool, storage: str) -> 
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
 
     sets = [f"train.steps={steps}", f"train.log_every={log_every}"]
     sets += ["train.micro_batch_size=2", "model.seq_len=32", "train.warmup_steps=2"]
@@ -73,7 +73,7 @@ def _ms_per_step(steps: int, log_every: int, ray_report: bool, storage: str) -> 
 def run(*, steps: int = 60, reps: int = 2) -> dict:
     import ray
 
-    from ray_fsdp_backend.ray_start import init_ray
+    from ray_fsdp_backend.runtime.ray_start import init_ray
 
     init_ray("local", num_cpus=3, log_to_driver=False)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}

@@ -144,12 +144,12 @@ def run_startup(run_ranks=None, **kwargs) -> dict:
     one, left running), else on a local cluster started and shut down here."""
     import ray
 
-    from ray_fsdp_backend.ray_start import init_ray
+    from ray_fsdp_backend.runtime.ray_start import init_ray
 
     started = not ray.is_initialized()
     if started:
         # Train V2's placement-group cleaner asks this cluster's State API: the
-        # dashboard stays on to answer it (see ray_fsdp_backend/ray_start.py).
+        # dashboard stays on to answer it (see ray_fsdp_backend/runtime/ray_start.py).
         init_ray("local", num_cpus=kwargs["workers"] + 1, include_dashboard=True,
                  log_to_driver=False)  # fmt: skip
     try:

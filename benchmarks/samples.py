@@ -44,7 +44,7 @@ def run_finetune_hf() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         pretrained, export = f"{tmp}/rfb-tiny-llama", f"{tmp}/rfb-tiny-llama-finetuned"
         subprocess.run(
-            [sys.executable, "-m", "ray_fsdp_backend.trainer.tiny_pretrained", pretrained],
+            [sys.executable, "-m", "ray_fsdp_backend.models.tiny_pretrained", pretrained],
             cwd=REPO, env=_env(), check=True, capture_output=True,
         )  # fmt: skip
         sets = [f"model.pretrained={pretrained}", f"model.export={export}"]
@@ -64,7 +64,7 @@ def run_train(example: str, name: str, sets: list[str] = ()) -> str:
     with tempfile.TemporaryDirectory() as storage:
         sets = [*sets, f"run.storage_path={storage}", f"run.name={name}"]
         out = subprocess.run(
-            [sys.executable, "-m", "ray_fsdp_backend.cli", "train", example,
+            [sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", example,
              *[arg for item in sets for arg in ("--set", item)]],
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip

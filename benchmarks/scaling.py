@@ -19,7 +19,7 @@ import torch
 from benchmarks import _measure, _workload
 from benchmarks.step_time import config_for, ours_step
 from ray_fsdp_backend import build_strategy
-from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.models.decoder import ModelConfig
 
 
 def _series(base: dict, key: str, values: tuple[int, ...]) -> list[dict]:

@@ -42,7 +42,7 @@ def build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ray_fsdp_backend.trainer.tiny_pretrained import CORPUS
+    from ray_fsdp_backend.models.tiny_pretrained import CORPUS
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -104,7 +104,7 @@ def ray_data(directory: str, tokenizer, seq_len: int, cpus: int) -> dict:
     import ray
 
     import ray_fsdp_backend as rfb
-    from ray_fsdp_backend.ray_start import init_ray
+    from ray_fsdp_backend.runtime.ray_start import init_ray
 
     init_ray("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:

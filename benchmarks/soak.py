@@ -94,7 +94,7 @@ def run(*, steps=800, every=10, keep=2, throttle=0.1, stream_above=64 * 1024,
 
     import ray_fsdp_backend as rfb
     from ray_fsdp_backend.checkpoint import CheckpointStore
-    from ray_fsdp_backend.ray_start import init_ray
+    from ray_fsdp_backend.runtime.ray_start import init_ray
     from tests.conftest import S3Server, moto_server
     from tests.fault_proxy import FaultProxy
 

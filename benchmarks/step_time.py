@@ -30,8 +30,8 @@ from torch.distributed.fsdp import fully_shard
 
 from benchmarks import _measure, _workload
 from ray_fsdp_backend import FSDPSettings, ShardingStrategy, build_strategy
-from ray_fsdp_backend.memory import ModelSize, estimate_memory
-from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.models.decoder import ModelConfig
+from ray_fsdp_backend.planning.memory import ModelSize, estimate_memory
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard")
 CPU = torch.device("cpu")

@@ -1,7 +1,7 @@
 """Sustained GPU throughput: ``python -m benchmarks.gpu --sustained --out DIR``.
 
 200 steps of the 1B preset (micro-batch 8 x 2048 tokens, bf16, AdamW)
-through :func:`ray_fsdp_backend.trainer.train.run_training`, the loop
+through :func:`ray_fsdp_backend.trainer.loop.train.run_training`, the loop
 ``ray-fsdp train`` runs, on one GPU (a world-size-1 NCCL group, no Ray
 actors), once eager and once with compiled blocks. For each it records:
 
@@ -189,7 +189,7 @@ def compute_gpu_idle(intervals: list[tuple[float, float, str]]) -> dict | None:
 
 def build_run_spec(mode: str, args, device: torch.device):
     """The training spec ``ray-fsdp train`` would run for ``mode``."""
-    from ray_fsdp_backend.trainer.spec import build_spec
+    from ray_fsdp_backend.trainer.schema.spec import build_spec
 
     on_gpu = device.type == "cuda"
     doc = {
@@ -246,10 +246,10 @@ def summarize(step_ms, clock, nvml, window, logged, tokens_per_step, flops, peak
 
 
 def run_mode(mode: str, args, device: torch.device, out: Path) -> dict:
-    from ray_fsdp_backend._worker import setup_process_context
-    from ray_fsdp_backend.context import set_context
     from ray_fsdp_backend.metrics.flops import compute_dtype, resolve_peak_flops
-    from ray_fsdp_backend.trainer.train import is_logged, run_training
+    from ray_fsdp_backend.runtime.context import set_context
+    from ray_fsdp_backend.runtime.worker import setup_process_context
+    from ray_fsdp_backend.trainer.loop.train import is_logged, run_training
 
     spec = build_run_spec(mode, args, device)
     ctx = setup_process_context(spec.distributed, device)

@@ -35,10 +35,10 @@ from torch.distributed.tensor import DTensor
 from benchmarks import _measure, _workload
 from benchmarks._collectives import CollectiveLog
 from ray_fsdp_backend import FSDPSettings, build_strategy
-from ray_fsdp_backend.memory import estimate_activations, estimate_tp_block_traffic
-from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
-from ray_fsdp_backend.topology import topology_from_node_counts
-from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.models.decoder import ModelConfig
+from ray_fsdp_backend.planning.memory import estimate_activations, estimate_tp_block_traffic
+from ray_fsdp_backend.planning.topology import topology_from_node_counts
 
 CPU = torch.device("cpu")
 # name: (tensor_parallel_size, sequence_parallel, column-wise inputs plain as before)

@@ -1,7 +1,7 @@
 """Peak memory of one large tensor streamed to the moto S3 server in one write.
 
 The Hugging Face exporter hands each gathered tensor to
-:func:`ray_fsdp_backend.retrying_fs.open_whole`'s file in one ``write``.
+:func:`ray_fsdp_backend.storage.retrying_fs.open_whole`'s file in one ``write``.
 Each mode runs in a fresh process: it allocates the tensor's bytes, resets
 its peak RSS to its current RSS (Linux's ``/proc/self/clear_refs``), writes
 them in one call through the retry layer and reports how far the peak rose
@@ -43,7 +43,7 @@ def upload(mode: str, port: int, mib: int, window_mib: int = 0) -> dict:
     (``window_mib``: the upload window, 0: ``UPLOAD_WINDOW_BYTES``)."""
     import numpy as np
 
-    from ray_fsdp_backend import retrying_fs
+    from ray_fsdp_backend.storage import retrying_fs
 
     if window_mib:
         retrying_fs.UPLOAD_WINDOW_BYTES = window_mib * MIB

@@ -5,7 +5,7 @@ retry layer, written whole or absent both ways.
   :class:`Spooled`): the bytes go to a spool (memory up to 16 MiB, then an
   anonymous temporary file), and are uploaded whole on commit, at most
   64 MiB of parts in flight; a retry uploads the whole file again.
-- ``streamed``: :func:`ray_fsdp_backend.retrying_fs.open_whole` on the
+- ``streamed``: :func:`ray_fsdp_backend.storage.retrying_fs.open_whole` on the
   retrying filesystem, as the Hugging Face exporter and DCP's writer use it
   now: past ``STREAM_ABOVE_BYTES`` the bytes go straight into the client's
   multipart upload (parts retried by the S3 client), at most
@@ -121,7 +121,7 @@ def upload(mode: str, port: int, mib: int) -> dict:
 
     import numpy as np
 
-    from ray_fsdp_backend import retrying_fs
+    from ray_fsdp_backend.storage import retrying_fs
 
     s3 = _filesystem(port)
     chunk = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)

@@ -7,7 +7,7 @@
         model = ctx.wrap(model)
 
 Public names are imported on first use, so that ``ray_fsdp_backend.dmuon`` or
-``ray_fsdp_backend.clip`` can be used in a torchrun job without importing Ray.
+``ray_fsdp_backend.distributed.clip`` can be used in a torchrun job without importing Ray.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "CheckpointMismatchError": "ray_fsdp_backend.checkpoint",
-    "FSDPConfig": "ray_fsdp_backend.backend",
-    "FSDPSettings": "ray_fsdp_backend.config",
-    "MeshDataConfig": "ray_fsdp_backend.data_config",
-    "ShardingStrategy": "ray_fsdp_backend.config",
-    "TrainContext": "ray_fsdp_backend.context",
-    "get_context": "ray_fsdp_backend.context",
-    "linear_cross_entropy": "ray_fsdp_backend.loss",
+    "FSDPConfig": "ray_fsdp_backend.runtime.backend",
+    "FSDPSettings": "ray_fsdp_backend.settings.config",
+    "MeshDataConfig": "ray_fsdp_backend.runtime.data_config",
+    "ShardingStrategy": "ray_fsdp_backend.settings.config",
+    "TrainContext": "ray_fsdp_backend.runtime.context",
+    "get_context": "ray_fsdp_backend.runtime.context",
+    "linear_cross_entropy": "ray_fsdp_backend.ops.loss",
     "load_pretrained": "ray_fsdp_backend.hf",
     "PretrainedCheckpointError": "ray_fsdp_backend.hf",
     "DDPStrategy": "ray_fsdp_backend.strategies",
@@ -58,13 +58,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ray_fsdp_backend.backend import FSDPConfig
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
-    from ray_fsdp_backend.config import FSDPSettings, ShardingStrategy
-    from ray_fsdp_backend.context import TrainContext, get_context
-    from ray_fsdp_backend.data_config import MeshDataConfig
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
-    from ray_fsdp_backend.loss import linear_cross_entropy
+    from ray_fsdp_backend.ops.loss import linear_cross_entropy
+    from ray_fsdp_backend.runtime.backend import FSDPConfig
+    from ray_fsdp_backend.runtime.context import TrainContext, get_context
+    from ray_fsdp_backend.runtime.data_config import MeshDataConfig
+    from ray_fsdp_backend.settings.config import FSDPSettings, ShardingStrategy
     from ray_fsdp_backend.sft import SFTDataError, check_sft_source, sft_dataset, sft_stats
     from ray_fsdp_backend.strategies import (
         DDPStrategy,

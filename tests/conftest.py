@@ -16,7 +16,7 @@ In a new end-to-end module::
         result = TorchTrainer(...).fit()
 
     def test_command(ray_address, tmp_path):  # a driver in a subprocess joins it
-        subprocess.run([sys.executable, "-m", "ray_fsdp_backend.cli", "train", ...],
+        subprocess.run([sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", ...],
                        env=ray_env(ray_address), check=True)
 
 A module that needs a fresh or differently shaped cluster asks for neither and
@@ -71,13 +71,13 @@ def _start_shared():
     another run on this machine is never joined by mistake. Train V2's
     placement-group cleaner asks the State API whether the controller is
     alive: the dashboard stays on to answer, and the workers pin
-    ``RAY_ADDRESS`` to this cluster (:mod:`ray_fsdp_backend.ray_start`), or
+    ``RAY_ADDRESS`` to this cluster (:mod:`ray_fsdp_backend.runtime.ray_start`), or
     the cleaner may ask the other pytest worker's cluster, hear "no such
     actor" and remove this run's placement group (Ray 2.60).
     """
     import ray
 
-    from ray_fsdp_backend.ray_start import init_ray
+    from ray_fsdp_backend.runtime.ray_start import init_ray
 
     if "address" not in _shared or not ray.is_initialized():
         _stop_shared()
@@ -134,7 +134,7 @@ def _no_context_across_modules():
     behind for the next module (the layer order runs dist modules before unit
     ones in one xdist worker: ``get_context()`` outside a worker must fail)."""
     yield
-    from ray_fsdp_backend.context import set_context
+    from ray_fsdp_backend.runtime.context import set_context
 
     set_context(None)
 

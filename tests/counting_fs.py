@@ -14,7 +14,7 @@ import io
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from ray_fsdp_backend.filesystem import to_fsspec
+from ray_fsdp_backend.storage.filesystem import to_fsspec
 
 BYTES_READ = [0]
 

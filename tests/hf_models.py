@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_fsdp_backend.trainer.tiny_pretrained import VOCAB, save_tiny_pretrained, tiny_config
+from ray_fsdp_backend.models.tiny_pretrained import VOCAB, save_tiny_pretrained, tiny_config
 
 __all__ = ["VOCAB", "input_ids", "save_tiny_pretrained", "tiny_config"]
 

@@ -59,7 +59,7 @@ def _base():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ray_fsdp_backend.trainer.tiny_pretrained import CORPUS
+    from ray_fsdp_backend.models.tiny_pretrained import CORPUS
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

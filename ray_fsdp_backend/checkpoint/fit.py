@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ray_fsdp_backend.checkpoint.layout import compute_key_mismatch
-from ray_fsdp_backend.strategies.peft import adapter_layout, describe_layout
+from ray_fsdp_backend.compat.peft import adapter_layout, describe_layout
 
 
 class CheckpointMismatchError(ValueError):

@@ -64,8 +64,8 @@ from ray_fsdp_backend.checkpoint.sharded import (
     save_sharded,
 )
 from ray_fsdp_backend.checkpoint.store import CheckpointStore
-from ray_fsdp_backend.collectives import broadcast_from_rank0
-from ray_fsdp_backend.retrying_fs import unwrap
+from ray_fsdp_backend.distributed.collectives import broadcast_from_rank0
+from ray_fsdp_backend.storage.retrying_fs import unwrap
 
 _logger = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ from ray_fsdp_backend.checkpoint.store import (
     dcp_reader,
     dcp_writer,
 )
-from ray_fsdp_backend.collectives import agreed, broadcast_from_rank0
-from ray_fsdp_backend.strategies.peft import frozen_is_random, has_frozen_parameters
+from ray_fsdp_backend.compat.peft import frozen_is_random, has_frozen_parameters
+from ray_fsdp_backend.distributed.collectives import agreed, broadcast_from_rank0
 
 _logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ straight on that filesystem, with no local copy of the checkpoint:
 - on a local (or NFS-mounted) filesystem through DCP's ``FileSystemWriter`` /
   ``FileSystemReader`` (files fsynced);
 - on any other (object storage) through DCP's fsspec writer and reader over
-  :func:`ray_fsdp_backend.filesystem.to_fsspec` of the run's filesystem, so the
+  :func:`ray_fsdp_backend.storage.filesystem.to_fsspec` of the run's filesystem, so the
   credentials and endpoint are exactly the ones the user gave Ray. Reads are
   ranged: the reader fetches the byte ranges of the items this rank loads,
   merged into contiguous spans (one request per span, nothing around them),
@@ -27,8 +27,8 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ray_fsdp_backend.checkpoint.layout import MARKER_NAME, parse_seq
-from ray_fsdp_backend.filesystem import compute_spans, to_fsspec
-from ray_fsdp_backend.retrying_fs import open_whole, unwrap, with_retries
+from ray_fsdp_backend.storage.filesystem import compute_spans, to_fsspec
+from ray_fsdp_backend.storage.retrying_fs import open_whole, unwrap, with_retries
 
 
 class TornObjectError(ValueError):
@@ -60,7 +60,7 @@ class CheckpointStore:
     @classmethod
     def retrying(cls, fs: pafs.FileSystem, root: str) -> CheckpointStore:
         """A store on ``fs`` whose transient failures are retried within this
-        process's ``storage_retry_s`` (see :mod:`ray_fsdp_backend.retrying_fs`)."""
+        process's ``storage_retry_s`` (see :mod:`ray_fsdp_backend.storage.retrying_fs`)."""
         return cls(with_retries(fs), root)
 
     @classmethod
@@ -119,7 +119,7 @@ class CheckpointStore:
     def write_file(self, relative: str, data: bytes) -> None:
         """Write ``data`` at ``root/relative``, durably and whole: locally a
         fsynced temporary file renamed into place, on object storage one put
-        (:func:`~ray_fsdp_backend.retrying_fs.open_whole`)."""
+        (:func:`~ray_fsdp_backend.storage.retrying_fs.open_whole`)."""
         final = f"{self.root}/{relative}"
         if self.in_place:
             os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -150,7 +150,7 @@ class CheckpointStore:
 def dcp_writer(store: CheckpointStore, name: str):
     """A DCP storage writer that puts this rank's files straight into
     checkpoint ``name`` of ``store``, each file whole or absent
-    (:func:`~ray_fsdp_backend.retrying_fs.open_whole`): a write that raises
+    (:func:`~ray_fsdp_backend.storage.retrying_fs.open_whole`): a write that raises
     leaves neither a partial object nor a temporary file."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -168,7 +168,7 @@ def dcp_writer(store: CheckpointStore, name: str):
 
 def _whole_writes(base: type, fs: pafs.FileSystem) -> type:
     """DCP's filesystem adapter ``base`` whose streams opened for writing
-    are :func:`~ray_fsdp_backend.retrying_fs.open_whole` files of ``fs``
+    are :func:`~ray_fsdp_backend.storage.retrying_fs.open_whole` files of ``fs``
     (DCP's own open a file in place, or upload what was written when the
     block raised)."""
 

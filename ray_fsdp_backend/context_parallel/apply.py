@@ -251,7 +251,7 @@ def apply_context_parallel(
         if isinstance(module, ContextParallelAttention):
             module.attention_fn = kernel
     if hf_models:
-        from ray_fsdp_backend.hf.compat import register_attention
+        from ray_fsdp_backend.compat.transformers import register_attention
 
         # transformers' registry is process-wide: the latest wrap's group wins.
         kernel_fn = functools.partial(hf_ulysses_attention, ulysses=ulysses)

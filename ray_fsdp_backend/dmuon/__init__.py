@@ -21,7 +21,7 @@ keyed by parameter name; they load at any world size.
 
 from __future__ import annotations
 
-from ray_fsdp_backend.optional_imports import lazy_exports
+from ray_fsdp_backend.compat.optional_imports import lazy_exports
 
 _EXPORTS = {
     "ADAMW_GROUP": "optimizer",

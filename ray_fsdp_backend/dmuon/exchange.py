@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ray_fsdp_backend.dmuon.plan import OwnershipPlan, RankLayout, compute_rank_layout
-from ray_fsdp_backend.topology import TP_AXIS
+from ray_fsdp_backend.planning.topology import TP_AXIS
 
 Stacks = dict[tuple[int, int], torch.Tensor]
 """Owned matrices of one bucket by shape: ``(count, rows, cols)`` each."""

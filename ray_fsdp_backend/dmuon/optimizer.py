@@ -40,6 +40,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr
 from torch.optim.optimizer import _to_scalar
 
+from ray_fsdp_backend.distributed.step_guard import SkipFactors
 from ray_fsdp_backend.dmuon import newton_schulz
 from ray_fsdp_backend.dmuon.exchange import ShardExchange, ShardGroup, resolve_shard_group
 from ray_fsdp_backend.dmuon.muon_setup import (
@@ -70,7 +71,6 @@ from ray_fsdp_backend.dmuon.tensor_parallel import (
     orthogonalize_whole,
     resolve_tensor_split,
 )
-from ray_fsdp_backend.step_guard import SkipFactors
 
 __all__ = ["ADAMW_GROUP", "MUON_GROUP", "DMuonStepStats", "Muon", "resolve_ns_device"]
 
@@ -194,7 +194,7 @@ class Muon(torch.optim.Optimizer):
         self.last_step_stats: DMuonStepStats | None = None
         self._init_state()
 
-    # GradScaler's protocol (see ray_fsdp_backend.step_guard): ``step`` reads
+    # GradScaler's protocol (see ray_fsdp_backend.distributed.step_guard): ``step`` reads
     # ``self.found_inf`` and skips the whole update where it is non-zero.
     _step_supports_amp_scaling = True
 
@@ -205,7 +205,7 @@ class Muon(torch.optim.Optimizer):
         some parameters have no gradient: those are left unchanged.
 
         With ``self.found_inf`` set (a 0-d tensor, as ``GradScaler`` and
-        :func:`~ray_fsdp_backend.step_guard.step_if_finite` set it) a
+        :func:`~ray_fsdp_backend.distributed.step_guard.step_if_finite` set it) a
         non-zero value leaves parameters and state as they were, decided on
         the device: the exchanges and Newton–Schulz still run (on zeroed
         gradients), their result is multiplied by 0.

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ray_fsdp_backend.topology import TP_AXIS
+from ray_fsdp_backend.planning.topology import TP_AXIS
 
 Stacks = dict[tuple[int, int], torch.Tensor]
 

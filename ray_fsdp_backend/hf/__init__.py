@@ -16,7 +16,7 @@
 - :mod:`.shapes`: a local checkpoint's parameter shapes, for ``plan`` (no torch).
 """
 
-from ray_fsdp_backend.optional_imports import lazy_exports
+from ray_fsdp_backend.compat.optional_imports import lazy_exports
 
 _EXPORTS = {
     "ExportTargetError": "target",

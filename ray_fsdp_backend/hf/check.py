@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 
-from ray_fsdp_backend.filesystem import resolve_filesystem
+from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 if TYPE_CHECKING:
     from torch import nn

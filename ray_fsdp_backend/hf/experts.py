@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from ray_fsdp_backend.collectives import full_tensor
+from ray_fsdp_backend.compat.transformers_moe import CheckpointLayout
+from ray_fsdp_backend.distributed.collectives import full_tensor
 from ray_fsdp_backend.hf.entries import ExpertsEntry, TensorEntry
-from ray_fsdp_backend.hf.transformers_moe import CheckpointLayout
 
 # fused model suffix -> per-expert checkpoint names concatenated along dim 0, per family
 _FUSED = {
@@ -109,7 +109,7 @@ def _fused_entry(parts) -> ExpertsEntry:
 def split_experts(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """``state`` under the key layout ``save_pretrained`` writes for
     ``model``'s family, read from transformers' own conversion mapping
-    (:class:`~ray_fsdp_backend.hf.transformers_moe.CheckpointLayout`), not
+    (:class:`~ray_fsdp_backend.compat.transformers_moe.CheckpointLayout`), not
     from ``model_type``: a fused experts tensor the family's checkpoints hold
     per expert is split (Qwen-MoE's ``mlp.experts.{e}.gate_proj.weight``;
     Mixtral and MiniMax's ``block_sparse_moe.experts.{e}.w1.weight``, their

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ray_fsdp_backend.collectives import agreed, broadcast_from_rank0
-from ray_fsdp_backend.filesystem import resolve_filesystem
+from ray_fsdp_backend.compat.peft import is_peft_model, unwrap
+from ray_fsdp_backend.distributed.collectives import agreed, broadcast_from_rank0
 from ray_fsdp_backend.hf.experts import split_experts
 from ray_fsdp_backend.hf.holders import gather_holders, plan_group_files
 from ray_fsdp_backend.hf.keys import export_keys
@@ -48,8 +48,8 @@ from ray_fsdp_backend.hf.writer import (
     write_bytes,
     write_files,
 )
-from ray_fsdp_backend.quantization import dequantize_state
-from ray_fsdp_backend.strategies.peft import is_peft_model, unwrap
+from ray_fsdp_backend.ops.quantization import dequantize_state
+from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 Exporter = Callable[..., None]
 # Written by the export itself, never copied from the source checkpoint.
@@ -100,7 +100,7 @@ def export_model(
     every rank sees is refused before any weight is written, and every file
     is checked (one listing, sizes) before the index is written. Each file
     is whole or absent. Every step is agreed by all ranks
-    (:func:`~ray_fsdp_backend.collectives.agreed`): a failure on one rank,
+    (:func:`~ray_fsdp_backend.distributed.collectives.agreed`): a failure on one rank,
     a write or not (an out-of-memory in a gather), raises on every rank at
     the end of that step, naming the rank and its error, and no rank
     returns before every rank's part succeeded.

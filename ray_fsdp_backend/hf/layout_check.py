@@ -8,7 +8,7 @@ apply, run on a meta model (no weights): the expert count against
 the tensor-parallel plan's heads and widths against ``tensor_parallel_size``
 (:func:`~ray_fsdp_backend.strategies.tensor_parallel.check_tp_divisibility`),
 and every NF4 weight's shard against NF4's blocks
-(:func:`~ray_fsdp_backend.quantization.nf4_shard_problems`). Messages are one
+(:func:`~ray_fsdp_backend.ops.quantization.nf4_shard_problems`). Messages are one
 a line, each naming the key; a rule repeated on every layer is said once
 (``model.layers.*.mlp``).
 """
@@ -40,9 +40,9 @@ def pretrained_layout_errors(model_cfg, dist, node_counts: list[list[int]]) -> l
     ``distributed`` section, for each cluster in ``node_counts`` (workers per
     node; ``validate`` and ``train`` pass ``[[n]]`` for each worker count
     ``n``, ``plan`` its nodes). Each message is said once."""
+    from ray_fsdp_backend.distributed.mesh import resolve_layout
     from ray_fsdp_backend.hf.shapes import read_local_shapes
-    from ray_fsdp_backend.mesh import resolve_layout
-    from ray_fsdp_backend.topology import CP_AXIS, SHARD_AXIS, topology_from_node_counts
+    from ray_fsdp_backend.planning.topology import CP_AXIS, SHARD_AXIS, topology_from_node_counts
 
     quantized = model_cfg.lora is not None and model_cfg.lora.base_quantization is not None
     ep, tp = dist.expert_parallel_size, dist.tensor_parallel_size
@@ -148,7 +148,7 @@ def nf4_errors(model: nn.Module, shards: int) -> list[str]:
 
 def nf4_weight_errors(weights: list[tuple[str, tuple[int, ...]]], shards: int) -> list[str]:
     """:func:`nf4_errors` for the 2-D weights (name, shape) NF4 would quantise."""
-    from ray_fsdp_backend.nf4_shards import Target, nf4_shard_problems
+    from ray_fsdp_backend.ops.nf4_shards import Target, nf4_shard_problems
 
     targets = []
     for name, (rows, cols) in weights:

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from ray_fsdp_backend.collectives import broadcast_from_rank0
-from ray_fsdp_backend.filesystem import resolve_filesystem
+from ray_fsdp_backend.compat.peft import note_frozen_loaded, unwrap
+from ray_fsdp_backend.distributed.collectives import broadcast_from_rank0
 from ray_fsdp_backend.hf.entries import Entry
 from ray_fsdp_backend.hf.experts import fuse_experts
 from ray_fsdp_backend.hf.keys import KeyRules, key_rules_for, to_model_key
@@ -41,7 +41,7 @@ from ray_fsdp_backend.hf.reader import (
     read_checkpoint_index,
 )
 from ray_fsdp_backend.hf.safetensors_io import UnsupportedDtypeError, check_cast
-from ray_fsdp_backend.strategies.peft import note_frozen_loaded, unwrap
+from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 _SHOWN = 5
 
@@ -92,7 +92,7 @@ def load_pretrained(
     ``pipeline_parallel_size > 1``) only its own stage's tensors, the other
     stages' checkpoint keys left to them. ``quantize="nf4"`` (QLoRA; needs
     ``torchao``) then turns every frozen ``nn.Linear`` weight but the output
-    head into 4-bit NF4, each rank its own shard (:mod:`ray_fsdp_backend.quantization`,
+    head into 4-bit NF4, each rank its own shard (:mod:`ray_fsdp_backend.ops.quantization`,
     docs/lora.md). Create the optimizer afterwards.
     Collective: every rank calls it. Returns the reader (``bytes_read`` says
     how much this rank read).
@@ -138,7 +138,7 @@ def load_pretrained(
     dcp.load(load_state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(model, load_state, options=StateDictOptions(strict=False))
     if nf4 is not None:
-        from ray_fsdp_backend.quantization import apply_nf4
+        from ray_fsdp_backend.ops.quantization import apply_nf4
 
         apply_nf4(model, nf4)
     if peft is None or peft.fills_base:
@@ -153,7 +153,7 @@ def _nf4_targets(model: nn.Module, quantize: str | None) -> list | None:
     """The weights ``quantize`` turns to NF4, checked (None: no quantisation)."""
     if quantize is None:
         return None
-    from ray_fsdp_backend.quantization import (
+    from ray_fsdp_backend.ops.quantization import (
         check_fsdp_managed,
         check_nf4_shards,
         check_quantize,

@@ -16,7 +16,7 @@ import tempfile
 
 import pyarrow.fs as pafs
 
-from ray_fsdp_backend.filesystem import is_local, resolve_filesystem
+from ray_fsdp_backend.storage.filesystem import is_local, resolve_filesystem
 
 # Small files beside the weights: configs, tokenizer, chat template.
 METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
@@ -38,7 +38,7 @@ def metadata_dir(path: str | os.PathLike, filesystem: pafs.FileSystem | None = N
     if is_local(fs):
         yield root
         return
-    from ray_fsdp_backend.collectives import broadcast_from_rank0  # torch.distributed
+    from ray_fsdp_backend.distributed.collectives import broadcast_from_rank0  # torch.distributed
 
     files = broadcast_from_rank0(lambda: _read_metadata_files(fs, root))
     with tempfile.TemporaryDirectory(prefix="rfb-pretrained-") as local:

@@ -12,9 +12,9 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 
-from ray_fsdp_backend.filesystem import resolve_filesystem
 from ray_fsdp_backend.hf.metadata import load_tokenizer, metadata_dir
 from ray_fsdp_backend.hf.reader import read_checkpoint_index
+from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 __all__ = ["build_causal_lm", "count_checkpoint_parameters", "load_tokenizer", "metadata_dir"]
 
@@ -30,7 +30,7 @@ def build_causal_lm(
     :func:`~ray_fsdp_backend.hf.load_pretrained` fills it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ray_fsdp_backend.hf.compat import check_transformers_version
+    from ray_fsdp_backend.compat.transformers import check_transformers_version
 
     check_transformers_version()
     with metadata_dir(path, filesystem) as local:

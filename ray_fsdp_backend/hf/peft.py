@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 from torch import nn
 
+from ray_fsdp_backend.compat.peft import peft_configs, tuner_layers, unwrap
 from ray_fsdp_backend.hf.experts import renamed_key_map
 from ray_fsdp_backend.hf.reader import PretrainedCheckpointError
-from ray_fsdp_backend.strategies.peft import peft_configs, tuner_layers, unwrap
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -31,10 +31,10 @@ from safetensors.torch import save
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend.collectives import agreed, full_tensor
+from ray_fsdp_backend.compat.peft import peft_configs, tuner_layers, unwrap
+from ray_fsdp_backend.distributed.collectives import agreed, full_tensor
 from ray_fsdp_backend.hf.peft import ADAPTER_WEIGHTS, peft_names
 from ray_fsdp_backend.hf.writer import write_bytes
-from ray_fsdp_backend.strategies.peft import peft_configs, tuner_layers, unwrap
 
 
 def export_peft(
@@ -52,7 +52,7 @@ def export_peft(
     every file). Collective: every rank calls it, and every rank returns
     only once rank 0 has written every file; a failure on any rank (a
     gather, rank 0's write) raises on every rank at once
-    (:func:`~ray_fsdp_backend.collectives.agreed`).
+    (:func:`~ray_fsdp_backend.distributed.collectives.agreed`).
 
     Raises:
         ValueError: ``model`` has no PEFT adapters.

@@ -47,7 +47,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ray_fsdp_backend.filesystem import compute_spans
 from ray_fsdp_backend.hf.entries import Entry, ExpertsEntry, TensorEntry
 from ray_fsdp_backend.hf.metadata import is_metadata_file  # noqa: F401 (re-exported)
 from ray_fsdp_backend.hf.safetensors_io import (
@@ -57,6 +56,7 @@ from ray_fsdp_backend.hf.safetensors_io import (
     to_torch_dtype,
 )
 from ray_fsdp_backend.hf.shapes import INDEX_NAME, SINGLE_NAME  # noqa: F401 (re-exported)
+from ray_fsdp_backend.storage.filesystem import compute_spans
 
 READ_CONCURRENCY = 32  # requests in flight per rank (object storage: latency-bound)
 

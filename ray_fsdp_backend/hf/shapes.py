@@ -144,7 +144,7 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def shape_sizes(ckpt: CheckpointShapes, lora=None) -> dict[str, int]:
-    """The counts :func:`~ray_fsdp_backend.trainer.pretrained` reports, from
+    """The counts :func:`~ray_fsdp_backend.trainer.loop.pretrained` reports, from
     shapes: the model's (a tied head counted once), with LoRA adapters of
     rank ``lora.r`` on every linear module whose name ends in a target (as
     peft matches them: ``r x (in + out)`` each, the base frozen)."""

@@ -86,7 +86,7 @@ def check_shared(fs: pafs.FileSystem, root: str, uri: str) -> None:
     removed before returning."""
     import torch.distributed as dist
 
-    from ray_fsdp_backend.collectives import raise_if_any_failed
+    from ray_fsdp_backend.distributed.collectives import raise_if_any_failed
     from ray_fsdp_backend.hf.writer import write_bytes
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -156,9 +156,9 @@ def remove_stale(fs: pafs.FileSystem, root: str, keep: set[str]) -> None:
 
 def _on_rank0(fn) -> None:
     """``fn`` on rank 0, its error raised on every rank
-    (:func:`~ray_fsdp_backend.collectives.broadcast_from_rank0`, imported on
+    (:func:`~ray_fsdp_backend.distributed.collectives.broadcast_from_rank0`, imported on
     use: ``plan`` reads :func:`target_entries` without torch)."""
-    from ray_fsdp_backend.collectives import broadcast_from_rank0
+    from ray_fsdp_backend.distributed.collectives import broadcast_from_rank0
 
     broadcast_from_rank0(fn)
 

@@ -9,7 +9,7 @@ tensors in that order: a sharded tensor (``DTensor``) is gathered by
 time), and the rank that owns the tensor's file streams its bytes straight
 into that file, its header first (known from the plan). Each file is
 whole or absent: on object storage each rank streams its own files (a
-multipart upload per large file, see :mod:`ray_fsdp_backend.retrying_fs`)
+multipart upload per large file, see :mod:`ray_fsdp_backend.storage.retrying_fs`)
 with the credentials the filesystem already has; on a local disk a file is
 written as ``NAME.tmp``, fsynced and renamed. After each tensor and each
 file the ranks agree (one all-reduce) that it was written, so a failure on
@@ -29,9 +29,9 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from ray_fsdp_backend.collectives import agreed, full_tensor
+from ray_fsdp_backend.distributed.collectives import agreed, full_tensor
 from ray_fsdp_backend.hf.safetensors_io import build_header
-from ray_fsdp_backend.retrying_fs import open_whole
+from ray_fsdp_backend.storage.retrying_fs import open_whole
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -132,12 +132,12 @@ def write_files(
 ) -> int:
     """Write ``files`` (every rank calls it with the same plan; see the module
     docstring). ``state`` values may be DTensors. Each file is whole or
-    absent (:func:`~ray_fsdp_backend.retrying_fs.open_whole`). Each step is
-    a phase the ranks agree on (:func:`~ray_fsdp_backend.collectives.agreed`):
+    absent (:func:`~ray_fsdp_backend.storage.retrying_fs.open_whole`). Each step is
+    a phase the ranks agree on (:func:`~ray_fsdp_backend.distributed.collectives.agreed`):
     opening a file, each tensor's gather and write, the commit. A failure on
     one rank, a write or not (a full disk, an out-of-memory in a gather or a
     conversion), makes every rank raise
-    :class:`~ray_fsdp_backend.collectives.RankFailedError` naming that rank
+    :class:`~ray_fsdp_backend.distributed.collectives.RankFailedError` naming that rank
     and its error at the end of that step, before the next collective.
     Returns the bytes this rank wrote."""
     rank = dist.get_rank() if dist.is_initialized() else 0

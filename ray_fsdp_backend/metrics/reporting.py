@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ray_fsdp_backend.metrics.flops import flops_per_token, throughput_metrics
-from ray_fsdp_backend.retry import STATS as STORAGE_RETRIES
+from ray_fsdp_backend.storage.retry import STATS as STORAGE_RETRIES
 from ray_fsdp_backend.strategies.blocks import find_blocks
 
 _GIB = 1024**3
@@ -43,7 +43,7 @@ class StepMeter:
     reduced over all ranks at each :meth:`measure`; also the storage retries
     of the backend's checkpoint and pretrained I/O since the workers started
     (``storage_retries``: all ranks' retries; ``storage_retry_s``: the most
-    seconds one rank spent in them; :mod:`ray_fsdp_backend.retry`).
+    seconds one rank spent in them; :mod:`ray_fsdp_backend.storage.retry`).
 
     Args:
         device: the rank's device (CUDA memory stats on GPU, peak RSS on CPU).

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_fsdp_backend.hf.transformers_moe import router_class
+from ray_fsdp_backend.compat.transformers_moe import router_class
 from ray_fsdp_backend.strategies.expert_parallel import experts_modules
 
 _LAYER = re.compile(r"layers\.(\d+)\.")

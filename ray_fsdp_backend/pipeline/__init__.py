@@ -10,13 +10,13 @@ TP) inside each stage, torch.distributed.pipelining's schedules.
 - :mod:`.step`: ``ctx.pipeline_step``, one optimizer step's schedule.
 """
 
-from ray_fsdp_backend.pipeline.layout import (
+from ray_fsdp_backend.planning.pipeline_layout import (
     StagePlan,
     pipeline_mesh_layout,
     plan_stages,
     resolve_microbatches,
 )
-from ray_fsdp_backend.pipeline.schedules import bubble_fraction
+from ray_fsdp_backend.planning.pipeline_schedules import bubble_fraction
 
 __all__ = [
     "StagePlan",

@@ -63,7 +63,10 @@ def stage_masks(config, kinds: set[str], x: torch.Tensor, positions: torch.Tenso
     """The attention mask of each layer type in ``kinds``, as the family's
     forward builds it (``position_ids`` split packed documents, except for
     :data:`MASK_WITHOUT_POSITIONS`)."""
-    from ray_fsdp_backend.hf.compat import create_causal_mask, create_sliding_window_causal_mask
+    from ray_fsdp_backend.compat.transformers import (
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
 
     own = None if config.model_type in MASK_WITHOUT_POSITIONS else positions
     masks = {}

@@ -4,7 +4,7 @@ included), keeping every parameter's ORIGINAL name (as torchtitan's
 their index in the whole model, and the modules it does not hold are removed
 (set to None), so DCP checkpoints and HF exports of the stages reshard by name.
 
-Supported: the built-in decoder (:class:`~ray_fsdp_backend.trainer.model.Transformer`)
+Supported: the built-in decoder (:class:`~ray_fsdp_backend.models.decoder.Transformer`)
 and transformers' Llama-style causal LMs (``model.embed_tokens``,
 ``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``) of the
 families in :data:`HF_FAMILIES` (dense, Gemma and mixture-of-experts; what
@@ -22,7 +22,7 @@ from torch import nn
 
 from ray_fsdp_backend.pipeline import families
 from ray_fsdp_backend.pipeline.families import HF_FAMILIES
-from ray_fsdp_backend.pipeline.layout import StagePlan, plan_stages, tied_embeddings_error
+from ray_fsdp_backend.planning.pipeline_layout import StagePlan, plan_stages, tied_embeddings_error
 
 
 class StageLayers(nn.ModuleList):
@@ -44,7 +44,7 @@ def split_for_stage(
     model: nn.Module, stage: int, stages: int, split: list[int] | None = None
 ) -> nn.Module:
     """``model`` cut in place to stage ``stage`` of ``stages`` (layers by
-    :func:`~ray_fsdp_backend.pipeline.layout.plan_stages`; ``split``: layer
+    :func:`~ray_fsdp_backend.planning.pipeline_layout.plan_stages`; ``split``: layer
     counts per stage), its ``forward`` replaced by the stage's: token ids in
     on the first stage, hidden states between stages, logits out of the last.
 
@@ -144,7 +144,7 @@ def _run_by_stages(self, *args, **kwargs):
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, tuple[str, str, str, str]]:
     """The module holding the layers, and the names of embedding, layers,
     final norm and head."""
-    from ray_fsdp_backend.trainer.model import Transformer
+    from ray_fsdp_backend.models.decoder import Transformer
 
     if isinstance(model, Transformer):
         return model, ("tok_embeddings", "layers", "norm", "output")
@@ -180,7 +180,7 @@ def _builtin_forward(
     """A built-in decoder stage: ids (first stage) or hidden states in;
     ``position_ids`` (every stage gets the micro-batch's: packed rows restart
     them per document, and attention then stays inside each document)."""
-    from ray_fsdp_backend.trainer.model import rotary_angles
+    from ray_fsdp_backend.models.decoder import rotary_angles
 
     if self.tok_embeddings is not None:
         x = self.tok_embeddings(x)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ray_fsdp_backend.pipeline.layout import resolve_microbatches
+from ray_fsdp_backend.planning.pipeline_layout import resolve_microbatches
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,8 +50,8 @@ class _Pipeline:
         from torch.distributed import pipelining
         from torch.distributed.pipelining import PipelineStage
 
-        from ray_fsdp_backend.pipeline.schedules import stage_indices
         from ray_fsdp_backend.pipeline.split import pipeline_roots
+        from ray_fsdp_backend.planning.pipeline_schedules import stage_indices
 
         self.micro = micro
         self.divisor = torch.ones(())
@@ -162,7 +162,7 @@ def _prepare(ctx, model, batch, loss_fn):
 def _stage_index(ctx, module: nn.Module) -> int:
     """The global stage index of ``module`` (its split plan's), checked
     against where the schedule places this rank's stages."""
-    from ray_fsdp_backend.pipeline.schedules import stage_indices
+    from ray_fsdp_backend.planning.pipeline_schedules import stage_indices
 
     config = ctx.config
     index = module.pipeline_plan.stage

@@ -100,7 +100,7 @@ def read_records(source: Source):
     """The records of ``source`` as a Ray dataset, each with its file in ``path``."""
     import ray.data
 
-    from ray_fsdp_backend.retrying_fs import unwrap
+    from ray_fsdp_backend.storage.retrying_fs import unwrap
 
     fs = unwrap(source.filesystem)
     files = list(source.files)

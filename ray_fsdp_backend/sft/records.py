@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from ray_fsdp_backend.filesystem import resolve_filesystem
+from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)

@@ -13,7 +13,7 @@ from ray_fsdp_backend.strategies.ddp import DDPStrategy
 from ray_fsdp_backend.strategies.fsdp import FSDPStrategy
 
 if TYPE_CHECKING:
-    from ray_fsdp_backend.config import FSDPSettings
+    from ray_fsdp_backend.settings.config import FSDPSettings
 
 __all__ = ["DDPStrategy", "DistributionStrategy", "FSDPStrategy", "build_strategy"]
 
@@ -39,7 +39,7 @@ def build_strategy(
         ValueError: an invalid config (a dict is validated like
             ``FSDPSettings.from_dict``), or DMuon without FSDP.
     """
-    from ray_fsdp_backend.config import FSDPSettings
+    from ray_fsdp_backend.settings.config import FSDPSettings
 
     del local_rank
     if not isinstance(config, FSDPSettings):
@@ -48,7 +48,7 @@ def build_strategy(
     if use_dmuon and not config.use_fsdp:
         raise ValueError("use_dmuon=True needs use_fsdp=true: DMuon runs on FSDP2 shards")
     if mesh is None:
-        from ray_fsdp_backend.mesh import (
+        from ray_fsdp_backend.distributed.mesh import (
             build_device_mesh,
             resolve_layout,
             topology_from_environment,

@@ -9,9 +9,9 @@ from contextlib import AbstractContextManager
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_fsdp_backend.clip import ClipStats, clip_grad_norm_
-from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.mesh import pipeline_group
+from ray_fsdp_backend.distributed.clip import ClipStats, clip_grad_norm_
+from ray_fsdp_backend.distributed.mesh import pipeline_group
+from ray_fsdp_backend.settings.config import FSDPSettings
 
 
 class DistributionStrategy(ABC):
@@ -86,7 +86,7 @@ class DistributionStrategy(ABC):
 
         Returns the global norm before clipping, a 0-d float32 tensor equal on
         every rank; when it is not finite, skip the optimizer step (see
-        :mod:`ray_fsdp_backend.clip`). Details of the last call are in
+        :mod:`ray_fsdp_backend.distributed.clip`). Details of the last call are in
         ``last_grad_clip_stats``.
         """
         params = [p for p in model.parameters() if p.requires_grad]  # a frozen base has none

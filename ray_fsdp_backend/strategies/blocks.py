@@ -12,15 +12,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ray_fsdp_backend.strategies.cpu_rng import (
-    full_copies_into_shards,
-    single_process_rng_on_cpu_meshes,
-)
-from ray_fsdp_backend.strategies.peft import (
+from ray_fsdp_backend.compat.peft import (
     check_meta_initialisable,
     is_peft_model,
     note_random_frozen,
     reset_adapters,
+)
+from ray_fsdp_backend.strategies.cpu_rng import (
+    full_copies_into_shards,
+    single_process_rng_on_cpu_meshes,
 )
 
 _logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def materialize_meta_module(
     """Allocate a meta-device model's (possibly sharded) storage and initialise
     it: the model's ``init_weights()`` when it has one, else every submodule's
     ``reset_parameters()``; then PEFT adapters get PEFT's own initialisation
-    (:func:`~ray_fsdp_backend.strategies.peft.reset_adapters`).
+    (:func:`~ray_fsdp_backend.compat.peft.reset_adapters`).
 
     Run after sharding, so each rank allocates and initialises only its own
     shard and no rank ever holds the full model. On CPU meshes random fills

@@ -29,10 +29,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from ray_fsdp_backend.expert_plan import EXPERT_COUNT_KEYS
-from ray_fsdp_backend.mesh import EXPERT_BATCH_AXIS, slice_flattened
-from ray_fsdp_backend.strategies.peft import tuner_layers
-from ray_fsdp_backend.topology import EP_AXIS
+from ray_fsdp_backend.compat.peft import tuner_layers
+from ray_fsdp_backend.distributed.mesh import EXPERT_BATCH_AXIS, slice_flattened
+from ray_fsdp_backend.planning.experts import EXPERT_COUNT_KEYS
+from ray_fsdp_backend.planning.topology import EP_AXIS
 
 DISPATCH_STYLE = "ep_dispatch_experts"
 """The plan style of a module whose forward becomes the token dispatch."""
@@ -128,7 +128,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int) -> list[n
     returns the experts modules, for :func:`shard_experts`. Must run before
     activation checkpointing or compile wrap the blocks (the plan names
     modules by their unwrapped paths)."""
-    from ray_fsdp_backend.hf.compat import apply_expert_parallelism
+    from ray_fsdp_backend.compat.transformers import apply_expert_parallelism
 
     plan = resolve_ep_plan(model, ep)
     ep_mesh, batch_mesh = (slice_flattened(mesh, a) for a in (EP_AXIS, EXPERT_BATCH_AXIS))

@@ -29,12 +29,18 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from ray_fsdp_backend.compat.peft import is_peft_model
 from ray_fsdp_backend.context_parallel.apply import (
     apply_context_parallel,
     attention_heads,
     check_context_parallel,
 )
-from ray_fsdp_backend.mesh import data_parallel_mesh, expert_shard_mesh, tensor_parallel_mesh
+from ray_fsdp_backend.distributed.mesh import (
+    data_parallel_mesh,
+    expert_shard_mesh,
+    tensor_parallel_mesh,
+)
+from ray_fsdp_backend.planning.topology import CP_AXIS
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 from ray_fsdp_backend.strategies.blocks import (
     apply_activation_checkpointing,
@@ -44,11 +50,9 @@ from ray_fsdp_backend.strategies.blocks import (
     materialize_meta_module,
 )
 from ray_fsdp_backend.strategies.expert_parallel import apply_expert_parallel, shard_experts
-from ray_fsdp_backend.strategies.peft import is_peft_model
-from ray_fsdp_backend.topology import CP_AXIS
 
 if TYPE_CHECKING:
-    from ray_fsdp_backend.config import FSDPSettings
+    from ray_fsdp_backend.settings.config import FSDPSettings
 
 _logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The trainer behind ``ray-fsdp train``: the training-YAML schema (``spec``),
-a Llama-style decoder (``model``) or a pretrained Hugging Face model
-(``pretrained``), byte-level or tokenized data sharded by data-parallel rank
-(``data``), and the ``train_loop_per_worker`` (``train``)."""
+"""What ``ray-fsdp train`` runs, in three layers: the training YAML's schema
+and its checks (:mod:`.schema`), the data a run reads (:mod:`.data`), and the
+``train_loop_per_worker`` (:mod:`.loop`). The model it trains is
+:mod:`ray_fsdp_backend.models`' decoder or a pretrained Hugging Face model.
+Nothing below the command line imports it."""

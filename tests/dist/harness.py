@@ -50,7 +50,7 @@ PRELOAD = (
     "torch.distributed.checkpoint",
     "pyarrow",
     "ray",
-    "ray_fsdp_backend._worker",
+    "ray_fsdp_backend.runtime.worker",
     "transformers",
     "transformers.modeling_utils",
     "peft",

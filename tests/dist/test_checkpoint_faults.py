@@ -18,12 +18,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from ray_fsdp_backend import retry
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
 from ray_fsdp_backend.checkpoint.layout import extra_state_name
 from ray_fsdp_backend.checkpoint.sharded import AsyncCheckpointer, CheckpointStorageError
-from ray_fsdp_backend.retry import RetryPolicy
-from ray_fsdp_backend.retrying_fs import with_retries
+from ray_fsdp_backend.storage import retry
+from ray_fsdp_backend.storage.retry import RetryPolicy
+from ray_fsdp_backend.storage.retrying_fs import with_retries
 from tests.dist.test_checkpoint import FSDP, _assert_states_equal, _full_state, _step, _wrap
 from tests.fault_proxy import LISTING, READS, SDK_ATTEMPTS, FaultProxy, RemoteFaults
 

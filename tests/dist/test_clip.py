@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.distributed.clip import clip_grad_norm_
 from tests.dist.harness import run_ranks
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_fsdp_backend import FSDPConfig, build_strategy
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from tests.dist.harness import run_ranks
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=2, seq_len=16)

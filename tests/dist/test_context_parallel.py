@@ -19,10 +19,8 @@ import torch.nn.functional as F
 
 from benchmarks.long_context import LargestTensor
 from ray_fsdp_backend import TrainContext
-from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.checkpoint.sharded import load_sharded, save_sharded
 from ray_fsdp_backend.checkpoint.store import CheckpointStore
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel import (
     apply_context_parallel,
     global_token_count,
@@ -34,7 +32,9 @@ from ray_fsdp_backend.context_parallel.attention import document_attention, docu
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
 from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention, gather_sequence
 from ray_fsdp_backend.hf.models import build_causal_lm
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from tests.dense_attention import document_causal_mask
 from tests.dist.harness import run_ranks, train_step
 

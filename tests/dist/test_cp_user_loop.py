@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.ulysses import gather_sequence
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from tests.dist.harness import run_ranks, train_step
 from tests.zoo_families import SEQ, VOCAB, build_family
 

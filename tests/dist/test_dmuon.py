@@ -27,9 +27,9 @@ from torch.distributed.tensor import Shard
 from ray_fsdp_backend import FSDPConfig, dmuon
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
 from ray_fsdp_backend.dmuon import newton_schulz
+from ray_fsdp_backend.planning.topology import REPLICATE_AXIS, SHARD_AXIS
 from ray_fsdp_backend.strategies import build_strategy
 from ray_fsdp_backend.strategies.dmuon import DMuonFSDPStrategy
-from ray_fsdp_backend.topology import REPLICATE_AXIS, SHARD_AXIS
 from tests.dist.harness import run_ranks
 
 VOCAB, DIM, BATCH, SEQ = 11, 8, 8, 5

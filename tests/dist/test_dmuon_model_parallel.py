@@ -24,12 +24,12 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 from torch.optim import _muon as torch_muon
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.context import set_context
 from ray_fsdp_backend.dmuon import Muon
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
-from ray_fsdp_backend.trainer.spec import build_spec
-from ray_fsdp_backend.trainer.train import train_step
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.runtime.context import set_context
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.trainer.loop.train import train_step
+from ray_fsdp_backend.trainer.schema.spec import build_spec
 from tests.dist.harness import run_ranks
 from tests.dist.test_dmuon import fp32_newton_schulz
 from tests.dist.test_expert_parallel import EXPERTS, VOCAB, save_moe
@@ -104,9 +104,9 @@ def _train_experts(rank: int, ep: int, path: str) -> dict:
     """3 DMuon steps of the MoE at ``ep`` (default matrices: the experts'
     stacks among them), each dp rank on its rows of the global batch."""
     from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
+    from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
     from ray_fsdp_backend.hf.models import build_causal_lm
-    from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
-    from ray_fsdp_backend.topology import topology_from_node_counts
+    from ray_fsdp_backend.planning.topology import topology_from_node_counts
 
     cfg = FSDPConfig(use_fsdp=True, use_dmuon=True, expert_parallel_size=ep,
                      use_mixed_precision=False)  # fmt: skip

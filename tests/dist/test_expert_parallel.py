@@ -42,9 +42,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
-from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
 from ray_fsdp_backend.metrics.router import RouterStats
-from ray_fsdp_backend.topology import topology_from_node_counts
+from ray_fsdp_backend.planning.topology import topology_from_node_counts
 from tests.counting_fs import RoundTrips
 from tests.dist.harness import run_ranks
 
@@ -489,8 +489,8 @@ def test_plan_estimates_the_counted_expert_traffic(results):
     over efsdp exactly; the all-to-alls at most every (token, expert) pair
     four times per layer (plus the split sizes), and on average the plan's
     (ep - 1) / ep of them within the unevenness of the routing."""
-    from ray_fsdp_backend.expert_plan import moe_model_from_hf
-    from ray_fsdp_backend.memory import estimate_expert_traffic
+    from ray_fsdp_backend.planning.experts import moe_model_from_hf
+    from ray_fsdp_backend.planning.memory import estimate_expert_traffic
 
     traffic = results[0]["qwen3_ep2"][-1]
     experts = moe_model_from_hf(tiny_moe_config("qwen3_moe").to_dict()).experts

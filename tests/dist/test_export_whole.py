@@ -87,7 +87,7 @@ def _node_local_weights(rank, shared, node):
 
 def _fail_rank1_writes(rank):
     """Rank 1's local writes raise once some bytes are written."""
-    from ray_fsdp_backend.whole_file import LocalWholeFile
+    from ray_fsdp_backend.storage.whole_file import LocalWholeFile
 
     real = LocalWholeFile.write
 
@@ -364,7 +364,7 @@ def _raising_writes(fs, root):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ray_fsdp_backend.checkpoint.store import CheckpointStore, dcp_writer
-    from ray_fsdp_backend.retrying_fs import open_whole, with_retries
+    from ray_fsdp_backend.storage.retrying_fs import open_whole, with_retries
 
     fs = with_retries(fs)
     fs.create_dir(root, recursive=True)

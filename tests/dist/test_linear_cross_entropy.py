@@ -1,7 +1,7 @@
 """The chunked loss on gloo ranks against one process with ``F.cross_entropy``.
 
 One 2-rank spawn trains the example decoder 3 AdamW steps through the
-trainer's loss (:func:`~ray_fsdp_backend.trainer.loss.micro_batch_loss`,
+trainer's loss (:func:`~ray_fsdp_backend.trainer.loop.loss.micro_batch_loss`,
 chunks of 5 tokens, uneven) under FSDP2 with an untied head (the head's
 weight sharded, kept gathered from forward to the loss), FSDP2 with tied
 embeddings, tp 2 with ``loss_parallel`` (each rank its vocabulary slice;
@@ -55,7 +55,7 @@ def _full_state(model) -> dict[str, torch.Tensor]:
 
 def _reference(cfg, start: dict, batch) -> tuple[list[float], dict]:
     """One process: the plain decoder, the whole batch, full fp32 logits."""
-    from ray_fsdp_backend.trainer.model import Transformer
+    from ray_fsdp_backend.models.decoder import Transformer
 
     model = Transformer(cfg)
     model.load_state_dict(start)
@@ -75,10 +75,10 @@ def _reference(cfg, start: dict, batch) -> tuple[list[float], dict]:
 
 
 def _layout(settings: dict, shape: dict, compiled: bool = False) -> dict:
-    from ray_fsdp_backend._worker import setup_process_context
-    from ray_fsdp_backend.config import FSDPSettings
-    from ray_fsdp_backend.trainer.loss import micro_batch_loss, prepare_loss
-    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+    from ray_fsdp_backend.runtime.worker import setup_process_context
+    from ray_fsdp_backend.settings.config import FSDPSettings
+    from ray_fsdp_backend.trainer.loop.loss import micro_batch_loss, prepare_loss
 
     ctx = setup_process_context(
         FSDPSettings(use_fsdp=True, use_mixed_precision=False, **settings), torch.device("cpu")

@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_fsdp_backend import TrainContext
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel import shard_sequence
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from tests.dist.harness import run_ranks
 
 SEQ, ROWS, MICRO = 16, 8, 2  # ROWS global rows per micro-batch

@@ -29,15 +29,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.sequence import shift_labels
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from ray_fsdp_backend.pipeline import plan_stages
-from ray_fsdp_backend.pipeline.schedules import stage_indices
 from ray_fsdp_backend.pipeline.step import pipeline_eval
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
-from ray_fsdp_backend.trainer.spec import load_spec
-from ray_fsdp_backend.trainer.train import run_training
+from ray_fsdp_backend.planning.pipeline_schedules import stage_indices
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
+from ray_fsdp_backend.trainer.loop.train import run_training
+from ray_fsdp_backend.trainer.schema.spec import load_spec
 from tests.dist.harness import run_ranks
 from tests.hf_models import VOCAB, save_tiny_pretrained, tiny_config
 

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ray_fsdp_backend._worker import setup_process_context
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
-from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.pipeline.traffic import padded_numel, stage_volumes
+from ray_fsdp_backend.planning.pipeline_traffic import padded_numel, stage_volumes
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from tests.dist.harness import run_ranks
 from tests.dist.test_pipeline import MAX_NORM, ROWS, SEQ, _batch, _logits, _model, _reference
 

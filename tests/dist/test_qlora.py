@@ -169,7 +169,7 @@ def _checkpoint_and_export(strategy, model, opt, rank, world, path, root):
 
 
 def _memory(model, opt, world):
-    from ray_fsdp_backend.quantization import nf4_bytes
+    from ray_fsdp_backend.ops.quantization import nf4_bytes
 
     _loss(model, input_ids(batch=GLOBAL_BATCH // world)).backward()
     frozen = [p for p in model.parameters() if not p.requires_grad]

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.distributed.seeding import seed_step
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from ray_fsdp_backend.strategies.blocks import materialize_meta_module
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
-from ray_fsdp_backend.trainer.seeding import seed_step
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel import pack_documents, shard_sequence
 from ray_fsdp_backend.context_parallel.attention import document_attention, document_spans
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from tests.dist.harness import run_ranks, train_step
 
 SEQ, STEPS = 64, 3

@@ -31,9 +31,9 @@ ROUTER_KEYS = {f"router/layer{i}/max_over_mean" for i in (0, 1)}
 
 
 def _train(path: str, overrides: list[str], world: int) -> dict:
-    from ray_fsdp_backend._worker import setup_process_context
-    from ray_fsdp_backend.trainer.spec import load_spec
-    from ray_fsdp_backend.trainer.train import fit_global_batch, run_training
+    from ray_fsdp_backend.runtime.worker import setup_process_context
+    from ray_fsdp_backend.trainer.loop.train import fit_global_batch, run_training
+    from ray_fsdp_backend.trainer.schema.spec import load_spec
 
     spec = load_spec(
         MOE_EP,
@@ -79,7 +79,7 @@ def _single(rank: int, world: int, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     path = save_tiny_pretrained("qwen3_moe", tmp_path_factory.mktemp("moe") / "ckpt")
     config = Path(path) / "config.json"

@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel.sequence import shift_labels
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from ray_fsdp_backend.sft.packing import PackCounts, pack_documents
 from ray_fsdp_backend.sft.records import SFTOptions
 from ray_fsdp_backend.sft.render import render_record
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from tests import sft_tokenizers as st
 from tests.dist.harness import run_ranks, train_step
 

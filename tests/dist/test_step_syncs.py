@@ -85,9 +85,9 @@ class _ProbedContext:
 
 
 def _train(overrides: list[str], *, poison: bool) -> dict:
-    from ray_fsdp_backend._worker import setup_process_context
-    from ray_fsdp_backend.trainer.spec import load_spec
-    from ray_fsdp_backend.trainer.train import run_training
+    from ray_fsdp_backend.runtime.worker import setup_process_context
+    from ray_fsdp_backend.trainer.loop.train import run_training
+    from ray_fsdp_backend.trainer.schema.spec import load_spec
 
     spec = load_spec(CPU_TINY, [*SMALL, *overrides])
     ctx = setup_process_context(spec.distributed, torch.device("cpu"))

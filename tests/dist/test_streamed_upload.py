@@ -25,9 +25,9 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-from ray_fsdp_backend import retrying_fs
-from ray_fsdp_backend.retry import RetryPolicy
-from ray_fsdp_backend.retrying_fs import open_whole, with_retries
+from ray_fsdp_backend.storage import retrying_fs
+from ray_fsdp_backend.storage.retry import RetryPolicy
+from ray_fsdp_backend.storage.retrying_fs import open_whole, with_retries
 from tests.fault_proxy import FaultProxy
 
 BUCKET = "streamed-upload"

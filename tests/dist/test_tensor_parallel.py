@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
-from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.planning.topology import topology_from_node_counts
 from ray_fsdp_backend.strategies.blocks import materialize_meta_module
-from ray_fsdp_backend.topology import topology_from_node_counts
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from tests.dist.harness import run_ranks
 from tests.hf_models import VOCAB, save_tiny_pretrained
 

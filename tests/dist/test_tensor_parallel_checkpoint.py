@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ray_fsdp_backend import FSDPConfig, build_strategy
 from ray_fsdp_backend.checkpoint import CheckpointStore, find_latest, load_sharded, save_sharded
+from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
 from ray_fsdp_backend.hf import export_model
-from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
-from ray_fsdp_backend.topology import topology_from_node_counts
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.planning.topology import topology_from_node_counts
 from tests.dist.harness import run_ranks
 
 WORLD, SEQ, BATCH = 4, 16, 4

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from tests.dist.harness import run_ranks
 from tests.zoo_families import SEQ, VOCAB, build_family
 

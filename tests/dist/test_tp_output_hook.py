@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import distribute_tensor
 
 from ray_fsdp_backend import FSDPConfig, build_strategy
-from ray_fsdp_backend.mesh import build_device_mesh, resolve_layout
-from ray_fsdp_backend.topology import topology_from_node_counts
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.planning.topology import topology_from_node_counts
 from tests.dist.harness import run_ranks
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16)

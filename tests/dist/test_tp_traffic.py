@@ -29,14 +29,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from benchmarks._collectives import CollectiveLog
-from ray_fsdp_backend.memory import ActivationShape, estimate_tp_block_traffic
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.planning.memory import ActivationShape, estimate_tp_block_traffic
 from ray_fsdp_backend.strategies.blocks import apply_activation_checkpointing, find_blocks
 from ray_fsdp_backend.strategies.tensor_parallel import (
     TPOptions,
     apply_tensor_parallel,
     resolve_tp_plan,
 )
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 from tests.dist.harness import run_ranks
 from tests.hf_models import VOCAB, input_ids, tiny_config
 

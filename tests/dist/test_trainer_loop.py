@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.trainer.spec import load_spec
-from ray_fsdp_backend.trainer.train import run_training
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
+from ray_fsdp_backend.trainer.loop.train import run_training
+from ray_fsdp_backend.trainer.schema.spec import load_spec
 from tests.dist.harness import run_ranks
 
 CPU_TINY = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
@@ -170,7 +170,7 @@ def _one_process(rank, world, hf_path):
 
 @pytest.fixture(scope="module")
 def hf_path(tmp_path_factory) -> str:
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     return save_tiny_pretrained("llama", tmp_path_factory.mktemp("llama") / "ckpt")
 
@@ -242,7 +242,7 @@ def test_wrap_refuses_lora_under_tensor_parallelism(results):
 
 
 def test_rows_hold_ignored_targets_unevenly():
-    from ray_fsdp_backend.trainer.data import PackedBatches, load_corpus
+    from ray_fsdp_backend.trainer.data.corpus import PackedBatches, load_corpus
 
     spec = load_spec(CPU_TINY, [*OVERRIDES, f"train.micro_batch_size={MICRO}"])
     batches = PackedBatches(load_corpus(), spec.model.seq_len, MICRO, 0, 1, seed=spec.train.seed)

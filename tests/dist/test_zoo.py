@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ray_fsdp_backend._worker import setup_process_context
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.context_parallel import pack_documents, shard_sequence
 from ray_fsdp_backend.context_parallel.sequence import default_position_ids
+from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.config import FSDPSettings
 from tests.dist.harness import run_ranks, train_step
 from tests.zoo_families import FAMILIES, SEQ, VOCAB, build_family
 
@@ -82,7 +82,10 @@ def _document_masks(model, batch) -> dict[str, torch.Tensor]:
     """transformers' own per-document masks of packed rows, for a family
     whose model builds its masks without ``position_ids`` (gpt-oss in 5.23:
     one process would attend across documents; the cp kernel does not)."""
-    from ray_fsdp_backend.hf.compat import create_causal_mask, create_sliding_window_causal_mask
+    from ray_fsdp_backend.compat.transformers import (
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
 
     ids = batch["input_ids"]
     kwargs = dict(

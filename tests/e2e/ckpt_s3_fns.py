@@ -22,10 +22,10 @@ import time
 import torch
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend import retry
 from ray_fsdp_backend.checkpoint import sharded
 from ray_fsdp_backend.checkpoint.layout import checkpoint_name, names_in
 from ray_fsdp_backend.checkpoint.ray_run import run_store
+from ray_fsdp_backend.storage import retry
 from tests import counting_fs
 from tests.e2e.ckpt_fns import _batch, _fault, _mean, full_params, next_attempt
 from tests.models import reference_model

@@ -1,7 +1,7 @@
 """Worker side of the elastic end-to-end test: the example's own training loop,
 with every window start each rank reads written to a JSON-lines file.
 
-``train_recording`` runs :func:`ray_fsdp_backend.trainer.train.train_loop_per_worker`
+``train_recording`` runs :func:`ray_fsdp_backend.trainer.loop.train.train_loop_per_worker`
 unchanged; it only wraps the loop's data stream (to record what is read) and
 its optimizer builder (to keep the model, whose full parameters it returns).
 ``loop_config["_record"]`` holds the record directory and the hold rule: a
@@ -17,7 +17,7 @@ import os
 import time
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.trainer import train as example_train
+from ray_fsdp_backend.trainer.loop import train as example_train
 from tests.e2e.ckpt_fns import full_params
 
 

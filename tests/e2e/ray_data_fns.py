@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend._worker import describe_datasets
-from ray_fsdp_backend.trainer.spec import build_spec
-from ray_fsdp_backend.trainer.train import setup_run, train_step
+from ray_fsdp_backend.runtime.worker import describe_datasets
+from ray_fsdp_backend.trainer.loop.train import setup_run, train_step
+from ray_fsdp_backend.trainer.schema.spec import build_spec
 
 MODEL = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16)
 ROWS, MICRO, EPOCHS = 8, 2, 2  # 2 steps an epoch at dp 2 (issue 45: was 24 rows, 6)

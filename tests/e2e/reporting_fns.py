@@ -8,7 +8,7 @@ def train_counting_reports(loop_config: dict) -> dict:
     worker (checkpoint saves report through it too)."""
     import ray.train
 
-    from ray_fsdp_backend.trainer.train import train_loop_per_worker
+    from ray_fsdp_backend.trainer.loop.train import train_loop_per_worker
 
     real, steps = ray.train.report, []
 

@@ -181,7 +181,7 @@ def test_lora_resume_after_killed_worker_equals_uninterrupted_run(ray_local, tmp
     checkpoint and on the reloaded base computes the uninterrupted group's
     step-3 loss and adapters, bit for bit."""
     pytest.importorskip("peft")
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained")
     config = dict(pretrained=pretrained, params_at=3)
@@ -198,7 +198,7 @@ def test_qlora_resume_after_killed_worker_equals_uninterrupted_run(ray_local, tm
     adapters bit for bit."""
     pytest.importorskip("peft")
     pytest.importorskip("torchao")
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("llama_qlora", tmp_path / "pretrained", max_shard_size="2MB")
     lora = {"r": 8, "base_quantization": "nf4"}

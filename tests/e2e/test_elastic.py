@@ -39,8 +39,8 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.ray_start import init_ray
-from ray_fsdp_backend.trainer.data import WindowOrder, load_corpus
+from ray_fsdp_backend.runtime.ray_start import init_ray
+from ray_fsdp_backend.trainer.data.corpus import WindowOrder, load_corpus
 from tests.e2e.elastic_fns import train_recording
 
 pytestmark = pytest.mark.e2e

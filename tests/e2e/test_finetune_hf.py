@@ -61,7 +61,7 @@ def _train_example(
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [
-            sys.executable, "-m", "ray_fsdp_backend.cli", "train", f"examples/{example}",
+            sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", f"examples/{example}",
             "--set", f"model.pretrained={pretrained}", "--set", f"model.export={export}",
             "--set", f"run.storage_path={tmp_path}", "--set", f"run.name={name}",
             *[arg for s in sets for arg in ("--set", s)],
@@ -78,7 +78,7 @@ def _train_example(
 
 
 def _eval(script: str, *args, cwd) -> list[float]:
-    from ray_fsdp_backend.trainer.tiny_pretrained import CORPUS
+    from ray_fsdp_backend.models.tiny_pretrained import CORPUS
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     out = subprocess.run(  # without PYTHONPATH: transformers and peft only, no code of ours
@@ -89,7 +89,7 @@ def _eval(script: str, *args, cwd) -> list[float]:
 
 
 def test_finetune_hf_yaml_trains_and_exports(tmp_path, ray_address):
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained", tied=True)
     export = tmp_path / "finetuned"
@@ -124,7 +124,7 @@ def test_finetune_lora_yaml_checkpoints_adapters_and_exports_peft(tmp_path, ray_
     adapters only, the PEFT export loads with ``peft`` alone."""
     import torch.distributed.checkpoint as dcp
 
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     pytest.importorskip("peft")
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained")
@@ -150,7 +150,7 @@ def test_finetune_qlora_yaml_trains_on_an_nf4_base_and_exports_peft(tmp_path, ra
     over the fp32 base and lowers the loss there too."""
     pytest.importorskip("peft")
     pytest.importorskip("torchao")
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("llama_qlora", tmp_path / "pretrained", max_shard_size="2MB")
     export = tmp_path / "adapters"

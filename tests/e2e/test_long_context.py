@@ -39,7 +39,7 @@ def _train(tmp_path: Path, address: str, name: str) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     sets = [*SETS, *RAY_SETS, f"run.storage_path={tmp_path}", f"run.name={name}"]
     out = subprocess.run(
-        [sys.executable, "-m", "ray_fsdp_backend.cli", "train", str(EXAMPLE),
+        [sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", str(EXAMPLE),
          *[arg for s in sets for arg in ("--set", s)]],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
@@ -52,9 +52,9 @@ def _one_process(rank, world) -> list[dict]:
     """The example's spec at cp 1, all 4 rows of a step in one micro-batch."""
     import torch
 
-    from ray_fsdp_backend._worker import setup_process_context
-    from ray_fsdp_backend.trainer.spec import load_spec
-    from ray_fsdp_backend.trainer.train import run_training
+    from ray_fsdp_backend.runtime.worker import setup_process_context
+    from ray_fsdp_backend.trainer.loop.train import run_training
+    from ray_fsdp_backend.trainer.schema.spec import load_spec
 
     overrides = [*SETS, "distributed.context_parallel_size=1", "train.micro_batch_size=4"]
     spec = load_spec(EXAMPLE, overrides)

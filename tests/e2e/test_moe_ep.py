@@ -28,7 +28,7 @@ def _keys(path) -> set[str]:
 
 
 def test_moe_ep_yaml_trains_and_exports(tmp_path, ray_address):
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("qwen3_moe", tmp_path / "pretrained")
     export = tmp_path / "finetuned"

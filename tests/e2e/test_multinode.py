@@ -12,7 +12,7 @@ from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.ray_start import init_ray
+from ray_fsdp_backend.runtime.ray_start import init_ray
 from tests.e2e.train_fns import reference_toy, train_toy
 
 pytestmark = pytest.mark.e2e

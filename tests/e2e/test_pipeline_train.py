@@ -34,10 +34,10 @@ def _pp1_reference(overrides: list[str]):
     history and trained model."""
     import torch.distributed as dist
 
-    from ray_fsdp_backend._worker import setup_process_context
-    from ray_fsdp_backend.config import FSDPSettings
-    from ray_fsdp_backend.trainer.spec import load_spec
-    from ray_fsdp_backend.trainer.train import setup_run, train_step
+    from ray_fsdp_backend.runtime.worker import setup_process_context
+    from ray_fsdp_backend.settings.config import FSDPSettings
+    from ray_fsdp_backend.trainer.loop.train import setup_run, train_step
+    from ray_fsdp_backend.trainer.schema.spec import load_spec
     from tests.dist.harness import free_port
 
     spec = load_spec(EXAMPLE, [*overrides, "model.export=null", "train.micro_batch_size=4"])
@@ -69,7 +69,7 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 def test_pipeline_example_matches_pp1_and_exports(tmp_path, ray_address):
     from transformers import AutoModelForCausalLM
 
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained")
     export = tmp_path / "export"
@@ -78,7 +78,7 @@ def test_pipeline_example_matches_pp1_and_exports(tmp_path, ray_address):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     run_sets = [*sets, f"model.export={export}", f"run.storage_path={tmp_path}", "run.name=pp"]
     out = subprocess.run(
-        [sys.executable, "-m", "ray_fsdp_backend.cli", "train", str(EXAMPLE),
+        [sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", str(EXAMPLE),
          *[arg for s in run_sets for arg in ("--set", s)]],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip

@@ -20,9 +20,9 @@ from ray.train.torch import TorchTrainer
 from safetensors.torch import load_file, save_file
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
-from ray_fsdp_backend.trainer.spec import build_spec
-from ray_fsdp_backend.trainer.train import build_optimizer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.trainer.loop.train import build_optimizer
+from ray_fsdp_backend.trainer.schema.spec import build_spec
 from tests.e2e.ray_data_fns import EPOCHS, MICRO, MODEL, ROWS, row, spec_doc, train_ray_data
 
 pytestmark = pytest.mark.e2e

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_fsdp_backend.trainer.data import RayDataBatches
+from ray_fsdp_backend.trainer.data.corpus import RayDataBatches
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import pytest
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
+from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
 from tests.e2e.reporting_fns import train_counting_reports
 
 pytestmark = pytest.mark.e2e

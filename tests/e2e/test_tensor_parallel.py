@@ -21,7 +21,7 @@ from ray.train.torch import TorchTrainer
 from safetensors.torch import save_file
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from tests.e2e.tp_fns import BATCH, LR, MAX_NORM, MODEL, global_batch, train_tp
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ray_fsdp_backend as rfb
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from tests.e2e.ckpt_fns import next_attempt
 
 MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16)

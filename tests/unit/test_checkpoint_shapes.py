@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from ray_fsdp_backend.hf.shapes import SHAPE_FAMILIES, read_local_shapes, shape_sizes
-from ray_fsdp_backend.trainer.lora import LoraOptions
-from ray_fsdp_backend.trainer.pretrained import meta_sizes
+from ray_fsdp_backend.trainer.loop.lora import LoraOptions
+from ray_fsdp_backend.trainer.loop.pretrained import meta_sizes
 
 # family -> a tiny model (zoo families: tests/zoo_families.py; llama and Qwen3-MoE:
 # the examples' checkpoints, in several safetensors files with an index)
@@ -29,7 +29,7 @@ def save_checkpoint(case: str, path) -> str:
     if source == "tiny":
         import transformers as tf
 
-        from ray_fsdp_backend.trainer.tiny_pretrained import tiny_config
+        from ray_fsdp_backend.models.tiny_pretrained import tiny_config
 
         model = tf.AutoModelForCausalLM.from_config(tiny_config(name, **kwargs))
         model.save_pretrained(path, max_shard_size="20KB")
@@ -67,7 +67,7 @@ def test_uncovered_checkpoints_fall_back(tmp_path):
     None, so the meta model counts them."""
     import transformers as tf
 
-    from ray_fsdp_backend.trainer.tiny_pretrained import tiny_config
+    from ray_fsdp_backend.models.tiny_pretrained import tiny_config
 
     tf.AutoModelForCausalLM.from_config(tiny_config("gpt2")).save_pretrained(tmp_path / "gpt2")
     assert read_local_shapes(str(tmp_path / "gpt2")) is None
@@ -112,8 +112,8 @@ def test_pipeline_split_refusals_equal_the_meta_models(case, tmp_path):
     layer and one more (the tied cases compared refuse at every count)."""
     from ray_fsdp_backend.hf.models import build_causal_lm
     from ray_fsdp_backend.pipeline.split import split_for_stage
-    from ray_fsdp_backend.trainer.pipeline import _split_error, _split_rules
-    from ray_fsdp_backend.trainer.pretrained import PretrainedModelConfig
+    from ray_fsdp_backend.trainer.loop.pipeline import _split_error, _split_rules
+    from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig
 
     model = PretrainedModelConfig(pretrained=save_checkpoint(case, tmp_path))
     assert _split_rules(model) is not None  # the rules, not the meta model, answer

@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from ray_fsdp_backend import FSDPConfig
-from ray_fsdp_backend.cli import main
-from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.plan_report import format_ranks
-from ray_fsdp_backend.topology import compute_mesh_layout, compute_topology_from_env
-from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
+from ray_fsdp_backend.cli.main import main
+from ray_fsdp_backend.cli.plan_report import format_ranks
+from ray_fsdp_backend.distributed.mesh import resolve_layout
+from ray_fsdp_backend.planning.topology import compute_mesh_layout, compute_topology_from_env
+from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(EXAMPLES.glob("*.yaml"))
@@ -49,7 +49,7 @@ def test_validate_accepts_every_example(capsys, tmp_path):
     """Every example validates once the checkpoint its header makes exists
     (``model.pretrained`` is checked for a ``config.json``)."""
     pytest.importorskip("transformers")
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
 
     kinds = {  # basename: (kind, chat template)
         "rfb-tiny-llama": ("llama", False),
@@ -285,7 +285,7 @@ def test_format_ranks():
 
 def test_plan_pretrained_with_dmuon(capsys, tmp_path):
     pytest.importorskip("transformers")
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     path = save_tiny_pretrained("llama", tmp_path / "tiny")
     config = str(EXAMPLES / "finetune_hf.yaml")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.distributed.clip import clip_grad_norm_
 
 
 def _params(*grads: torch.Tensor) -> list[torch.nn.Parameter]:

@@ -230,8 +230,8 @@ def test_elastic_rayjob_trains_the_elastic_example_on_spot_pods():
 
 
 def test_elastic_example_is_valid_and_its_batch_splits_at_whole_nodes():
-    from ray_fsdp_backend.elastic import elastic_world_sizes
-    from ray_fsdp_backend.trainer.spec import load_spec
+    from ray_fsdp_backend.planning.elastic import elastic_world_sizes
+    from ray_fsdp_backend.trainer.schema.spec import load_spec
 
     spec = load_spec(REPO / "examples" / "elastic_spot.yaml")
     low, high = elastic_example()

@@ -26,7 +26,7 @@ def test_defaults_are_the_seeds():
 
 
 def test_backend_cls_is_ours_and_backend_stays_assignable():
-    from ray_fsdp_backend.backend import FSDPBackend
+    from ray_fsdp_backend.runtime.backend import FSDPBackend
 
     cfg = FSDPConfig(use_fsdp=True)
     assert cfg.backend_cls is FSDPBackend

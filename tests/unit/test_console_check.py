@@ -32,7 +32,8 @@ UNEXPECTED = {
         "ValueError: something broke",
     ],
     # What a cleaner that searched the host for its cluster printed, before
-    # ray_fsdp_backend.ray_start pinned it (the e2e quick start runs beside a second cluster).
+    # ray_fsdp_backend.runtime.ray_start pinned it (the e2e quick start runs beside a second
+    # cluster).
     "cleaner searching the host": [
         "Exception in thread PlacementGroupCleanerMonitor:",
         "Traceback (most recent call last):",

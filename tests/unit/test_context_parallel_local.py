@@ -16,7 +16,7 @@ from ray_fsdp_backend.context_parallel import (
 from ray_fsdp_backend.context_parallel.apply import disable_hf_cache
 from ray_fsdp_backend.context_parallel.sequence import chunk_indices, document_ids, is_packed
 from ray_fsdp_backend.context_parallel.ulysses import kv_repeat_factor
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -113,7 +113,7 @@ def test_packed_transformers_rows_equal_documents_one_by_one_after_cache_off():
 
 
 def test_config_refuses_bad_context_parallel_layouts_by_key():
-    from ray_fsdp_backend.config import FSDPSettings
+    from ray_fsdp_backend.settings.config import FSDPSettings
 
     with pytest.raises(ValueError, match="context_parallel_size=2 needs use_fsdp"):
         FSDPSettings(context_parallel_size=2)  # DDP
@@ -130,7 +130,7 @@ def test_config_refuses_bad_context_parallel_layouts_by_key():
 
 
 def test_resolve_cp_backend():
-    from ray_fsdp_backend.config import FSDPSettings
+    from ray_fsdp_backend.settings.config import FSDPSettings
 
     auto = FSDPSettings(use_fsdp=True, context_parallel_size=4)
     assert auto.resolve_cp_backend(8, "cpu") == "ulysses"
@@ -151,9 +151,9 @@ def test_resolve_cp_backend():
 
 
 def test_mesh_layout_puts_cp_inside_dp_shard_and_outside_tp():
-    from ray_fsdp_backend.config import FSDPSettings
-    from ray_fsdp_backend.mesh import resolve_layout
-    from ray_fsdp_backend.topology import topology_from_node_counts
+    from ray_fsdp_backend.distributed.mesh import resolve_layout
+    from ray_fsdp_backend.planning.topology import topology_from_node_counts
+    from ray_fsdp_backend.settings.config import FSDPSettings
 
     config = FSDPSettings(use_fsdp=True, context_parallel_size=2)
     layout = resolve_layout(config, topology_from_node_counts([4]))
@@ -168,7 +168,7 @@ def test_mesh_layout_puts_cp_inside_dp_shard_and_outside_tp():
 
 
 def test_packed_batches_keep_documents_apart_and_resume():
-    from ray_fsdp_backend.trainer.data import PackedBatches, load_corpus, split_documents
+    from ray_fsdp_backend.trainer.data.corpus import PackedBatches, load_corpus, split_documents
 
     tokens = load_corpus()
     docs = split_documents(tokens)
@@ -183,7 +183,7 @@ def test_packed_batches_keep_documents_apart_and_resume():
 
 
 def _spec_errors(*overrides):
-    from ray_fsdp_backend.trainer.spec import apply_overrides, check_spec, load_yaml
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, check_spec, load_yaml
 
     doc = load_yaml(EXAMPLES / "long_context.yaml")
     return "\n".join(check_spec(apply_overrides(doc, list(overrides))))
@@ -207,7 +207,7 @@ def test_trainer_spec_refuses_bad_cp_layouts_before_workers_start():
 
 
 def test_activation_estimate_falls_as_one_over_cp():
-    from ray_fsdp_backend.memory import ActivationShape, estimate_activations
+    from ray_fsdp_backend.planning.memory import ActivationShape, estimate_activations
 
     shape = ActivationShape(
         n_layers=4, dim=256, n_heads=8, vocab_size=256, seq_len=8192, micro_batch_size=1

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ray_fsdp_backend.compat import transformers as compat
 from ray_fsdp_backend.context_parallel import pack_documents
 from ray_fsdp_backend.context_parallel.apply import hf_ulysses_attention
 from ray_fsdp_backend.context_parallel.attention import (
@@ -21,7 +22,6 @@ from ray_fsdp_backend.context_parallel.attention import (
     warn_math_once,
 )
 from ray_fsdp_backend.context_parallel.ulysses import UlyssesAttention
-from ray_fsdp_backend.hf import compat
 from tests.dense_attention import dense_attention, document_causal_mask
 
 pytest.importorskip("transformers")
@@ -101,7 +101,7 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:
 def test_window_and_document_mask_equal_transformers(packed):
     from transformers import MistralConfig
 
-    from ray_fsdp_backend.hf.compat import create_sliding_window_causal_mask
+    from ray_fsdp_backend.compat.transformers import create_sliding_window_causal_mask
 
     config = MistralConfig(sliding_window=8, hidden_size=32, num_attention_heads=4)
     config._attn_implementation = "sdpa"

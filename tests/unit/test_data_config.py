@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.data_config import check_dataset_split, compute_data_parallel_groups
-from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.topology import topology_from_node_counts
+from ray_fsdp_backend.distributed.mesh import resolve_layout
+from ray_fsdp_backend.planning.topology import topology_from_node_counts
+from ray_fsdp_backend.runtime.data_config import check_dataset_split, compute_data_parallel_groups
+from ray_fsdp_backend.settings.config import FSDPSettings
 
 
 def test_ranks_are_grouped_by_their_data_parallel_rank():

@@ -11,7 +11,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from ray_fsdp_backend import dmuon
-from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.distributed.clip import clip_grad_norm_
 from ray_fsdp_backend.dmuon.newton_schulz import NS_COEFFICIENTS, NS_EPS
 from tests.models import make_batch, reference_model
 
@@ -181,7 +181,7 @@ def _state_snapshot(model, opt) -> list[torch.Tensor]:
 
 
 def test_found_inf_skips_the_whole_step_and_zero_changes_nothing():
-    from ray_fsdp_backend.step_guard import step_if_finite, supports_found_inf
+    from ray_fsdp_backend.distributed.step_guard import step_if_finite, supports_found_inf
 
     model, hyper = reference_model(), dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-3)
     twin = copy.deepcopy(model)

@@ -256,7 +256,7 @@ def _numel(spec: MatrixSpec) -> int:
 
 
 def test_plan_command_prints_the_critical_path_for_dmuon_configs():
-    from ray_fsdp_backend import cli
+    from ray_fsdp_backend.cli import main as cli
 
     spec = cli.load("examples/dmuon.yaml", ["model.preset=1b"])
     text = cli.format_plan(spec, 1, 8)
@@ -277,7 +277,7 @@ def test_at_scale_the_critical_path_is_the_largest_matrices_a_rank_must_hold(n, 
 
 
 def test_plan_command_prints_owners_and_the_floor_at_256_ranks():
-    from ray_fsdp_backend import cli
+    from ray_fsdp_backend.cli import main as cli
 
     spec = cli.load("examples/dmuon.yaml", ["model.preset=1b"])
     text = cli.format_plan(spec, 32, 8)
@@ -292,11 +292,11 @@ def test_plan_owners_from_shapes_equal_the_runtimes():
     shapes (no torch); the same matrices, in the same order, as the runtime's
     ``dedicated_specs`` on the built model, so the owners agree: untied and
     tied heads, grouped-query attention, an explicit MLP width."""
+    from ray_fsdp_backend.cli.plan_report import _decoder_matrices
     from ray_fsdp_backend.dmuon.plan import compute_ownership_plan
     from ray_fsdp_backend.dmuon.selection import dedicated_specs
-    from ray_fsdp_backend.plan_report import _decoder_matrices
-    from ray_fsdp_backend.trainer.model import Transformer
-    from ray_fsdp_backend.trainer.model_config import PRESETS, ModelConfig
+    from ray_fsdp_backend.models.config import PRESETS, ModelConfig
+    from ray_fsdp_backend.models.decoder import Transformer
 
     configs = [
         ModelConfig(**PRESETS["small"]),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ray_fsdp_backend import dmuon
-from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.cli.main import main
 from ray_fsdp_backend.dmuon.report import format_stack_lines
 from ray_fsdp_backend.dmuon.selection import dedicated_specs, dedicated_stacks, select_parameters
 from ray_fsdp_backend.dmuon.stacks import orthogonalize_stacks

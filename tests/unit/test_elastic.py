@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.elastic import (
+from ray_fsdp_backend.cli.plan_report import format_elastic_plan
+from ray_fsdp_backend.distributed.mesh import resolve_layout
+from ray_fsdp_backend.planning.elastic import (
     elastic_world_sizes,
     split_global_batch,
     worker_range,
 )
-from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.plan_report import format_elastic_plan
-from ray_fsdp_backend.topology import topology_from_node_counts
-from ray_fsdp_backend.trainer.data import compute_rank_samples, skipped_batches
-from ray_fsdp_backend.trainer.spec import build_spec, check_spec
+from ray_fsdp_backend.planning.topology import topology_from_node_counts
+from ray_fsdp_backend.settings.config import FSDPSettings
+from ray_fsdp_backend.trainer.data.corpus import compute_rank_samples, skipped_batches
+from ray_fsdp_backend.trainer.schema.spec import build_spec, check_spec
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ def test_hsdp_uneven_nodes_is_validated():
 
 
 def test_scaling_config_is_elastic_only_for_a_range():
-    from ray_fsdp_backend.cli import scaling_config
+    from ray_fsdp_backend.cli.main import scaling_config
 
     elastic = scaling_config(build_spec(_doc(global_batch_size=32)), use_gpu=False)
     assert elastic.num_workers == (8, 16)
@@ -162,7 +162,7 @@ def test_scaling_config_is_elastic_only_for_a_range():
 
 
 def test_elastic_sizes_under_model_parallelism_keep_groups_whole():
-    from ray_fsdp_backend.elastic import describe_group_sizes
+    from ray_fsdp_backend.planning.elastic import describe_group_sizes
 
     # tp 2: only even counts, and the dp size (count / 2) must split the batch of 12.
     assert elastic_world_sizes(12, 2, 8, group=2) == ([2, 4, 6, 8], [3, 5, 7])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_fsdp_backend.config import FSDPSettings, ShardingStrategy
-from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.topology import compute_mesh_layout, topology_from_node_counts
+from ray_fsdp_backend.distributed.mesh import resolve_layout
+from ray_fsdp_backend.planning.topology import compute_mesh_layout, topology_from_node_counts
+from ray_fsdp_backend.settings.config import FSDPSettings, ShardingStrategy
 
 FULL, HYBRID = ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD
 
@@ -140,7 +140,7 @@ def test_ep_plan_expands_and_refuses():
 
 
 def test_plan_prints_the_expert_groups():
-    from ray_fsdp_backend.plan_report import format_expert_groups
+    from ray_fsdp_backend.cli.plan_report import format_expert_groups
 
     assert format_expert_groups(_layout([4])) == []
     assert format_expert_groups(_layout([4], ep=2)) == [

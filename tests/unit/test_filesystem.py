@@ -7,8 +7,8 @@ import os
 import pyarrow.fs as pafs
 import pytest
 
-from ray_fsdp_backend.filesystem import is_local, resolve_filesystem, to_fsspec
-from ray_fsdp_backend.retrying_fs import unwrap
+from ray_fsdp_backend.storage.filesystem import is_local, resolve_filesystem, to_fsspec
+from ray_fsdp_backend.storage.retrying_fs import unwrap
 
 
 def test_plain_path_is_local_and_absolute(tmp_path, monkeypatch):
@@ -31,8 +31,8 @@ def test_retrying_filesystem_round_trip(tmp_path, monkeypatch):
     ranged reads, listing and deletes work, and it pickles with its budget."""
     import pickle
 
-    from ray_fsdp_backend import retrying_fs
-    from ray_fsdp_backend.retry import RetryPolicy
+    from ray_fsdp_backend.storage import retrying_fs
+    from ray_fsdp_backend.storage.retry import RetryPolicy
 
     monkeypatch.setattr(retrying_fs, "STREAM_ABOVE_BYTES", 1000)
     base = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
@@ -81,8 +81,8 @@ def test_writes_are_whole_or_absent(tmp_path, monkeypatch, stream_above):
     retrying wrapper (held: nothing uploaded; streamed: deleted); a plain
     output-stream block on the wrapper aborts too, and one opened while
     another exception is being handled still commits."""
-    from ray_fsdp_backend import retrying_fs
-    from ray_fsdp_backend.retrying_fs import open_whole, with_retries
+    from ray_fsdp_backend.storage import retrying_fs
+    from ray_fsdp_backend.storage.retrying_fs import open_whole, with_retries
 
     monkeypatch.setattr(retrying_fs, "STREAM_ABOVE_BYTES", stream_above)
     staged = with_retries(pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()))
@@ -109,7 +109,7 @@ def test_writes_are_whole_or_absent(tmp_path, monkeypatch, stream_above):
 def test_sdk_retries_span_the_budget():
     """The S3 client's retries of one part wait (25 ms * 2**k before retry k)
     at most the budget, and one more retry would wait past it."""
-    from ray_fsdp_backend.retrying_fs import sdk_retries
+    from ray_fsdp_backend.storage.retrying_fs import sdk_retries
 
     def waited(retries):
         return sum(0.025 * 2**k for k in range(1, retries + 1))

@@ -1,4 +1,4 @@
-"""The transformers compatibility layer (``ray_fsdp_backend/hf/compat.py``):
+"""The transformers compatibility layer (``ray_fsdp_backend/compat/transformers.py``):
 the version floor refuses an older release by name, the mask builders give
 transformers' own masks on the installed release, and no other module of the
 package or the tests reaches into transformers' internals."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_fsdp_backend.hf import compat
+from ray_fsdp_backend.compat import transformers as compat
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,12 +41,17 @@ def test_masks_split_packed_documents_on_the_installed_release():
     assert torch.equal(window[0, 0], (k <= q) & (q - k < 3) & same_doc)
 
 
+COMPAT = REPO / "ray_fsdp_backend" / "compat" / "transformers.py"
+
+
 def test_only_compat_imports_transformers_internals():
     internal = re.compile(r"^\s*(from|import) transformers\.(?!models\.auto\b)", re.M)
     offenders = [
         str(path.relative_to(REPO))
         for root in ("ray_fsdp_backend", "tests")
         for path in (REPO / root).rglob("*.py")
-        if path.name != "compat.py" and internal.search(path.read_text())
+        if path != COMPAT and internal.search(path.read_text())
     ]
-    assert offenders == [], "import transformers internals through ray_fsdp_backend/hf/compat.py"
+    assert offenders == [], (
+        "import transformers internals through ray_fsdp_backend/compat/transformers.py"
+    )

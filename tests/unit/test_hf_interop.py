@@ -161,8 +161,8 @@ def test_bad_format_and_unknown_scheme_fail_before_writing(tmp_path):
 def test_single_file_export_of_a_pipeline_stage_is_refused_before_writing(tmp_path):
     # Rank 0 of a pp run holds the first stage only: one file from it would
     # silently miss every later stage's layers.
+    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
     from ray_fsdp_backend.pipeline.split import split_for_stage
-    from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
     config = ModelConfig(dim=16, n_layers=2, n_heads=2, vocab_size=32, tie_embeddings=False)
     stage = split_for_stage(Transformer(config), 0, 2)

@@ -108,7 +108,7 @@ def test_finder_names_a_cycle():
 def test_graph_sees_imports_inside_functions():
     graph = import_graph()
     # context.py imports the checkpoint package only inside its methods.
-    assert "ray_fsdp_backend.checkpoint" in graph["ray_fsdp_backend.context"]
+    assert "ray_fsdp_backend.checkpoint" in graph["ray_fsdp_backend.runtime.context"]
 
 
 def test_package_imports_have_no_cycle():
@@ -125,14 +125,16 @@ def test_pure_layers_import_only_the_config():
     # The config's checks test a pipeline schedule with the pure schedule
     # rules, which import nothing of the package.
     graph = import_graph()
-    schedules = "ray_fsdp_backend.pipeline.schedules"
-    config = {"ray_fsdp_backend.config", "ray_fsdp_backend.config_checks", schedules}
+    schedules = "ray_fsdp_backend.planning.pipeline_schedules"
+    config = {"ray_fsdp_backend.settings.config", "ray_fsdp_backend.settings.checks", schedules}
     assert _reachable(graph, schedules) == set()
-    assert _reachable(graph, "ray_fsdp_backend.config") == config - {"ray_fsdp_backend.config"}
+    assert _reachable(graph, "ray_fsdp_backend.settings.config") == config - {
+        "ray_fsdp_backend.settings.config"
+    }
     for pure in (
-        "ray_fsdp_backend.topology",
-        "ray_fsdp_backend.memory",
-        "ray_fsdp_backend.elastic",
+        "ray_fsdp_backend.planning.topology",
+        "ray_fsdp_backend.planning.memory",
+        "ray_fsdp_backend.planning.elastic",
     ):
         assert _reachable(graph, pure) <= config, pure
 
@@ -142,8 +144,8 @@ def test_strategies_never_reach_the_backend_or_the_context():
     for module in graph:
         if module.startswith("ray_fsdp_backend.strategies"):
             reached = _reachable(graph, module)
-            assert "ray_fsdp_backend.backend" not in reached, module
-            assert "ray_fsdp_backend.context" not in reached, module
+            assert "ray_fsdp_backend.runtime.backend" not in reached, module
+            assert "ray_fsdp_backend.runtime.context" not in reached, module
 
 
 @pytest.mark.parametrize("name", ["config.py", "config_checks.py"])

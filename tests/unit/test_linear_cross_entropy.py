@@ -185,7 +185,7 @@ def test_estimate_bounds_the_measured_peak():
     """``ray-fsdp plan``'s loss estimate against the peak the profiler sees
     (fp32): each estimate within 1% below and 2x above the measured peak,
     chunked and full logits."""
-    from ray_fsdp_backend.memory import estimate_loss_memory
+    from ray_fsdp_backend.planning.memory import estimate_loss_memory
 
     tokens, dim, vocab, chunk = 1024, 32, 4096, 256
     hidden = torch.randn(tokens, dim, requires_grad=True)
@@ -208,8 +208,8 @@ def test_estimate_bounds_the_measured_peak():
 def test_plan_counts_the_loss_of_a_pretrained_model(capsys, tmp_path):
     """The plan's loss lines for a transformers model (its head's shape):
     the chunked peak in use and what the full logits would take."""
-    from ray_fsdp_backend.cli import main
-    from ray_fsdp_backend.trainer.tiny_pretrained import VOCAB, save_tiny_pretrained
+    from ray_fsdp_backend.cli.main import main
+    from ray_fsdp_backend.models.tiny_pretrained import VOCAB, save_tiny_pretrained
 
     path = save_tiny_pretrained("llama", tmp_path / "tiny")
     config = Path(__file__).resolve().parents[2] / "examples" / "finetune_hf.yaml"
@@ -223,7 +223,7 @@ def test_plan_counts_the_loss_of_a_pretrained_model(capsys, tmp_path):
 
 
 def test_loss_chunk_tokens_is_validated_by_name():
-    from ray_fsdp_backend.trainer.spec import load_spec
+    from ray_fsdp_backend.trainer.schema.spec import load_spec
 
     config = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
     assert load_spec(config, []).train.loss_chunk_tokens == 1024

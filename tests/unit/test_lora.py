@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_fsdp_backend.strategies.blocks import materialize_meta_module
-from ray_fsdp_backend.strategies.peft import (
+from ray_fsdp_backend.compat.peft import (
     adapter_layout,
     describe_layout,
     frozen_is_random,
     is_peft_model,
     note_frozen_loaded,
 )
+from ray_fsdp_backend.strategies.blocks import materialize_meta_module
 from tests.hf_models import tiny_config
 
 peft = pytest.importorskip("peft")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_fsdp_backend.context import refuse_modules_to_save
-from ray_fsdp_backend.trainer.spec import check_spec
+from ray_fsdp_backend.runtime.context import refuse_modules_to_save
+from ray_fsdp_backend.trainer.schema.spec import check_spec
 from tests.hf_models import tiny_config
 
 peft = pytest.importorskip("peft")
@@ -54,7 +54,7 @@ def test_wrap_refuses_lora_on_a_tied_output_head_by_name():
     without the head among the targets, passes."""
     from transformers import AutoModelForCausalLM
 
-    from ray_fsdp_backend.strategies.peft import refuse_tied_adapters
+    from ray_fsdp_backend.compat.peft import refuse_tied_adapters
 
     def lora(tied: bool, targets: list[str]):
         with torch.device("meta"):

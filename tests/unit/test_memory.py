@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ray_fsdp_backend.config import ShardingStrategy
-from ray_fsdp_backend.memory import (
+from ray_fsdp_backend.models.decoder import ModelConfig
+from ray_fsdp_backend.planning.memory import (
     ModelSize,
     compute_optimizer_state_bytes,
     estimate_memory,
     format_bytes,
 )
-from ray_fsdp_backend.trainer.model import ModelConfig
+from ray_fsdp_backend.settings.config import ShardingStrategy
 
 N, U, M = 1_000_000, 100_000, 800_000
 SIZE = ModelSize(num_params=N, largest_unit_params=U, matrix_params=M)

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from ray_fsdp_backend.config import FSDPSettings
 from ray_fsdp_backend.metrics.flops import (
     compute_dtype,
     flops_per_token,
@@ -23,9 +22,10 @@ from ray_fsdp_backend.metrics.reporting import (
     estimate_flops_per_token,
     show_ray_report_lines,
 )
-from ray_fsdp_backend.retry import STATS as STORAGE_RETRIES
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+from ray_fsdp_backend.settings.config import FSDPSettings
+from ray_fsdp_backend.storage.retry import STATS as STORAGE_RETRIES
 from ray_fsdp_backend.strategies.blocks import apply_compile, find_blocks
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
 TINY = ModelConfig(dim=128, n_layers=4, n_heads=4, seq_len=128)
 
@@ -49,7 +49,7 @@ def test_flops_per_token_of_the_tiny_model_by_hand():
 
 def test_blocks_are_counted_by_class_name_also_after_wrapping():
     from ray_fsdp_backend.metrics.reporting import count_blocks
-    from ray_fsdp_backend.trainer.model import Block
+    from ray_fsdp_backend.models.decoder import Block
 
     with torch.device("meta"):
         model = Transformer(TINY)
@@ -187,7 +187,7 @@ def test_compile_without_blocks_names_the_fix(caplog):
 
 
 def test_cli_verbose_flag_and_tensorboard_dir(tmp_path, monkeypatch):
-    from ray_fsdp_backend import cli
+    from ray_fsdp_backend.cli import main as cli
 
     args = cli.build_parser().parse_args(["train", "examples/cpu_tiny.yaml", "-v"])
     assert args.verbose

@@ -50,7 +50,7 @@ def test_the_context_owns_its_checkpoint_state_and_teardown_drops_it():
     from dataclasses import fields
 
     from ray_fsdp_backend.checkpoint import RunCheckpoints
-    from ray_fsdp_backend.context import TrainContext, get_context, set_context
+    from ray_fsdp_backend.runtime.context import TrainContext, get_context, set_context
 
     ctx = TrainContext(**{f.name: None for f in fields(TrainContext) if f.init})
     state = ctx.checkpoints  # created on first use, then kept

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.mesh import resolve_layout
+from ray_fsdp_backend.distributed.mesh import resolve_layout
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from ray_fsdp_backend.pipeline import bubble_fraction, plan_stages, resolve_microbatches
 from ray_fsdp_backend.pipeline.split import split_for_stage
-from ray_fsdp_backend.topology import compute_topology_from_env, topology_from_node_counts
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.planning.topology import compute_topology_from_env, topology_from_node_counts
+from ray_fsdp_backend.settings.config import FSDPSettings
 
 
 def _settings(**kw) -> FSDPSettings:
@@ -163,7 +163,7 @@ def test_unsupported_family_is_refused_by_name():
 
 
 def test_plan_lines_name_stages_layers_and_bubble():
-    from ray_fsdp_backend.pipeline.layout import format_pipeline_plan
+    from ray_fsdp_backend.planning.pipeline_layout import format_pipeline_plan
 
     lines = format_pipeline_plan(2, 5, "1f1b", 8, ((0, 2), (1, 3)))
     assert "0: layers 0-2 + embedding; 1: layers 3-4 + norm, head" in lines[0]
@@ -175,8 +175,8 @@ def test_plan_counts_the_last_stages_whole_logits_under_pp():
     """Under pp the last stage's loss takes each pipeline micro-batch's whole
     logits (``loss_chunk_tokens`` does not apply): the plan's loss line says
     so, over a pipeline micro-batch's tokens (8 rows x 2 steps / 4 = 4 rows)."""
-    from ray_fsdp_backend.plan_report import format_loss_memory
-    from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
+    from ray_fsdp_backend.cli.plan_report import format_loss_memory
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
 
     base = ["distributed.use_fsdp=true", "train.micro_batch_size=8", "train.grad_accum=2"]
     pp = [
@@ -207,7 +207,7 @@ PP_CASES = [
 def test_the_trainer_checks_pipeline_stages_before_ray_starts(overrides, message):
     """``ray-fsdp train`` at pp 2: what the split or the schedule would refuse
     on the workers is named on the driver (the split runs on a meta model)."""
-    from ray_fsdp_backend.trainer.spec import apply_overrides, check_spec, load_yaml
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, check_spec, load_yaml
 
     doc = apply_overrides(
         load_yaml("examples/cpu_tiny.yaml"),
@@ -221,7 +221,7 @@ def test_the_trainer_checks_pipeline_stages_before_ray_starts(overrides, message
 
 
 def test_the_trainer_refuses_lora_under_pipeline_stages(tmp_path):
-    from ray_fsdp_backend.trainer.spec import apply_overrides, check_spec, load_yaml
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, check_spec, load_yaml
     from tests.hf_models import save_tiny_pretrained
 
     path = save_tiny_pretrained("llama", tmp_path / "llama")

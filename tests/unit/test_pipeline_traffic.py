@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from ray_fsdp_backend.pipeline.layout import plan_stages
-from ray_fsdp_backend.pipeline.plan import (
+from ray_fsdp_backend.planning.pipeline_layout import plan_stages
+from ray_fsdp_backend.planning.pipeline_plan import (
     PipelineCluster,
     crossing_boundaries,
     flat_cross_node,
@@ -20,7 +20,7 @@ from ray_fsdp_backend.pipeline.plan import (
     plan_lines,
     stage_params,
 )
-from ray_fsdp_backend.pipeline.traffic import (
+from ray_fsdp_backend.planning.pipeline_traffic import (
     StageVolumes,
     cross_node_bytes,
     padded_numel,

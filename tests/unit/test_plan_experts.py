@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from ray_fsdp_backend.cli import main
-from ray_fsdp_backend.expert_plan import moe_model_from_hf
-from ray_fsdp_backend.memory import ExpertShape, estimate_expert_traffic, format_bytes
+from ray_fsdp_backend.cli.main import main
+from ray_fsdp_backend.planning.experts import moe_model_from_hf
+from ray_fsdp_backend.planning.memory import ExpertShape, estimate_expert_traffic, format_bytes
 
 QWEN3_30B = "examples/qwen3_30b_a3b.config.json"
 GIB = 2**30
@@ -77,8 +77,8 @@ def test_without_ep_only_the_fsdp_column_and_experts_sharded_whole(capsys):
 
 def test_ep_not_dividing_the_experts_or_dense_config_is_refused(capsys, tmp_path):
     shape = ExpertShape(moe_layers=1, num_experts=6, top_k=2, dim=8, expert_hidden=4)
-    from ray_fsdp_backend.config import ShardingStrategy
-    from ray_fsdp_backend.memory import estimate_expert_memory
+    from ray_fsdp_backend.planning.memory import estimate_expert_memory
+    from ray_fsdp_backend.settings.config import ShardingStrategy
 
     with pytest.raises(ValueError, match="expert_parallel_size=4 must divide .* expert count 6"):
         estimate_expert_memory(shape, ShardingStrategy.FULL_SHARD, 8, 4)

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _PROBE = """
 import contextlib, io, json, sys
-from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.cli.main import main
 for args in json.loads(sys.argv[1]):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -90,7 +90,7 @@ def configs(tmp_path_factory) -> dict[str, str]:
     """``examples/finetune_lora.yaml`` and ``examples/pipeline_tiny.yaml`` on a
     tiny Llama checkpoint written here (several safetensors files and an
     index, as ``save_pretrained`` writes)."""
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     root = tmp_path_factory.mktemp("plan-imports")
     checkpoint = save_tiny_pretrained("llama", root / "llama")
@@ -143,7 +143,7 @@ def test_train_gets_fsdp_config_plan_the_same_plain_settings():
     from ray.train.torch import TorchConfig
 
     from ray_fsdp_backend import FSDPConfig, FSDPSettings
-    from ray_fsdp_backend.trainer.spec import build_spec, load_yaml
+    from ray_fsdp_backend.trainer.schema.spec import build_spec, load_yaml
 
     doc = load_yaml(REPO / "examples" / "hsdp_multinode.yaml")
     for_train, for_plan = build_spec(doc), build_spec(doc, torch_config=False)

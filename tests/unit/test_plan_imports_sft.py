@@ -30,20 +30,20 @@ import json, sys
 print(json.dumps(sorted(sys.modules)))
 """
 _TOKENIZER = "from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained(sys.argv[1])"
-_DRIVER = "import ray_fsdp_backend.trainer.sft_data"
+_DRIVER = "import ray_fsdp_backend.trainer.data.sft"
 _CLI = """
 import contextlib, io
-from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.cli.main import main
 for args in json.loads(sys.argv[1]):
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(args) == 0, args
 """
 _WORKER_SIDE = (
-    "ray_fsdp_backend.collectives",
+    "ray_fsdp_backend.distributed.collectives",
     "ray_fsdp_backend.context_parallel",
     "ray_fsdp_backend.hf.reader",
-    "ray_fsdp_backend.trainer.data",
-    "ray_fsdp_backend.trainer.sft_batches",
+    "ray_fsdp_backend.trainer.data.corpus",
+    "ray_fsdp_backend.trainer.data.sft_batches",
 )
 
 
@@ -63,7 +63,7 @@ def modules_after(body: str, *args: str) -> set[str]:
 def sft_config(tmp_path_factory) -> tuple[str, str]:
     """examples/sft_chat.yaml on a tiny chat Llama and its records written
     here; returns the config and the checkpoint."""
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
 
     root = tmp_path_factory.mktemp("plan-imports-sft")
     doc = yaml.safe_load((REPO / "examples" / "sft_chat.yaml").read_text())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

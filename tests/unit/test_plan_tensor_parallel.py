@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from ray_fsdp_backend.cli import main
-from ray_fsdp_backend.memory import format_bytes
+from ray_fsdp_backend.cli.main import main
+from ray_fsdp_backend.planning.memory import format_bytes
 
 LLAMA3 = {size: f"examples/llama3_{size}.config.json" for size in ("8b", "70b")}
 PARAMS = {"8b": 8_030_261_248, "70b": 70_553_706_496}
@@ -121,7 +121,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused(capsys, tmp_path):
 
 
 def test_training_config_refuses_tp_the_model_or_data_cannot_take():
-    from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
 
     doc = load_yaml("examples/cpu_tiny.yaml")
     tp = ["distributed.use_fsdp=true", "distributed.tensor_parallel_size=8"]

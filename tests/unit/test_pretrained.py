@@ -165,7 +165,8 @@ def test_core_never_imports_transformers():
     import sys
 
     code = (
-        "import sys, ray_fsdp_backend as r, ray_fsdp_backend.cli, ray_fsdp_backend.trainer.train\n"
+        "import sys, ray_fsdp_backend as r\n"
+        "import ray_fsdp_backend.cli.main, ray_fsdp_backend.trainer.loop.train\n"
         "r.load_pretrained, r.get_context\n"
         "assert 'transformers' not in sys.modules, 'transformers imported'\n"
     )

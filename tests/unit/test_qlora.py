@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ray_fsdp_backend.hf import load_pretrained
-from ray_fsdp_backend.quantization import (
+from ray_fsdp_backend.ops.quantization import (
     Target,
     apply_nf4,
     check_nf4_shards,
@@ -120,7 +120,7 @@ QLORA = {"pretrained": "/x", "lora": {"base_quantization": "nf4"}}
     ],
 )
 def test_yaml_refusals_name_the_key(distributed, model, words):
-    from ray_fsdp_backend.trainer.spec import check_spec
+    from ray_fsdp_backend.trainer.schema.spec import check_spec
 
     doc = {"distributed": distributed, "model": model, "train": {"optimizer": "adamw"}}
     errors = check_spec(doc)
@@ -132,8 +132,8 @@ def test_the_example_builds_with_nf4(tmp_path):
     checked for a ``config.json`` before anything starts)."""
     from pathlib import Path
 
-    from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, load_yaml
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
 
     example = Path(__file__).resolve().parents[2] / "examples" / "finetune_qlora.yaml"
     tiny = save_tiny_pretrained("llama_qlora", tmp_path / "tiny")
@@ -146,7 +146,7 @@ def test_plan_counts_the_nf4_base(tmp_path, capsys):
 
     from transformers import LlamaConfig
 
-    from ray_fsdp_backend.cli import main
+    from ray_fsdp_backend.cli.main import main
 
     LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

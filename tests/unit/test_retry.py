@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
-from ray_fsdp_backend.config import FSDPSettings
-from ray_fsdp_backend.retry import RetryPolicy, RetryStats, call_with_retries, is_transient
+from ray_fsdp_backend.settings.config import FSDPSettings
+from ray_fsdp_backend.storage.retry import RetryPolicy, RetryStats, call_with_retries, is_transient
 
 _KEY = "When uploading part for key 'r/checkpoint_000001/__0_0.distcp' in bucket 'b': "
 TRANSIENT = [
@@ -86,7 +86,7 @@ def test_retries_until_success_with_jittered_backoff_and_one_warning(caplog):
     clock, stats = _Clock(), RetryStats()
     fn, calls = _failing(5)
     policy = RetryPolicy(budget_s=60, base_s=1.0, cap_s=4.0)
-    with caplog.at_level(logging.WARNING, logger="ray_fsdp_backend.retry"):
+    with caplog.at_level(logging.WARNING, logger="ray_fsdp_backend.storage.retry"):
         out = call_with_retries(
             fn, what="writing x", policy=policy, stats=stats, sleep=clock.sleep, clock=clock
         )

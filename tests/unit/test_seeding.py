@@ -1,10 +1,10 @@
-"""Each rank's per-step seed (ray_fsdp_backend/trainer/seeding.py)."""
+"""Each rank's per-step seed (ray_fsdp_backend/distributed/seeding.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from ray_fsdp_backend.trainer.seeding import seed_step, step_seed
+from ray_fsdp_backend.distributed.seeding import seed_step, step_seed
 
 
 class Coordinates:

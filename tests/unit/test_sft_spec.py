@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ray_fsdp_backend.trainer.spec import TrainOptions, check_spec
+from ray_fsdp_backend.trainer.schema.spec import TrainOptions, check_spec
 
 pytest.importorskip("transformers")
 
@@ -58,7 +58,7 @@ def test_cross_section_refusals(data, train, words):
 
 
 def test_sft_keys_need_a_path_and_one_held_out_set(tmp_path):
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     model = {"pretrained": save_tiny_pretrained("llama", tmp_path / "m", chat=True)}
     data = {"format": "prompt_completion", "eval_path": "/e", "eval_fraction": 0.1}
@@ -68,7 +68,7 @@ def test_sft_keys_need_a_path_and_one_held_out_set(tmp_path):
 
 
 def test_pretrained_text_refusals_stay_and_point_at_the_record_formats(tmp_path):
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
     model = {"pretrained": save_tiny_pretrained("llama", tmp_path / "m")}
     errors = _errors({"source": "ray_data", "path": "/d"}, model)
@@ -78,7 +78,7 @@ def test_pretrained_text_refusals_stay_and_point_at_the_record_formats(tmp_path)
 
 
 def test_eval_steps_every_n_and_the_last():
-    from ray_fsdp_backend.trainer.train import is_eval_step
+    from ray_fsdp_backend.trainer.loop.train import is_eval_step
 
     opts = TrainOptions(steps=25, eval_every=10)
     assert [s for s in range(1, 26) if is_eval_step(s, opts)] == [10, 20, 25]
@@ -86,7 +86,7 @@ def test_eval_steps_every_n_and_the_last():
 
 
 def test_held_out_rows_are_a_seeded_fraction():
-    from ray_fsdp_backend.trainer.sft_data import HeldOut
+    from ray_fsdp_backend.trainer.data.sft import HeldOut
 
     rows = [{"input_ids": list(range(i, i + 16))} for i in range(2000)]
     pick = HeldOut(0.1, seed=3)
@@ -113,7 +113,7 @@ def _batches(rows: dict[str, torch.Tensor], size: int):
 
 
 def test_every_rank_runs_as_many_eval_batches_and_together_they_hold_every_target():
-    from ray_fsdp_backend.trainer.sft_batches import eval_batches, to_micro_batch
+    from ray_fsdp_backend.trainer.data.sft_batches import eval_batches, to_micro_batch
 
     rows, micro, dp = _rows(7), 2, 3  # 7 rows over 3 ranks of 2: the last block short
     per_rank = [list(eval_batches(_batches(rows, micro * dp), micro, r, dp)) for r in range(dp)]
@@ -129,8 +129,8 @@ def test_every_rank_runs_as_many_eval_batches_and_together_they_hold_every_targe
 def test_eval_loss_is_the_token_mean_of_the_held_out_set():
     """Single process: :func:`evaluate` over padded dp-rank shares (summed
     as the all-reduce would) equals cross-entropy's mean over every target."""
-    from ray_fsdp_backend.trainer.evaluation import evaluate
-    from ray_fsdp_backend.trainer.sft_batches import eval_batches, to_micro_batch
+    from ray_fsdp_backend.trainer.data.sft_batches import eval_batches, to_micro_batch
+    from ray_fsdp_backend.trainer.loop.evaluation import evaluate
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
@@ -170,7 +170,7 @@ def test_eval_loss_is_the_token_mean_of_the_held_out_set():
 @pytest.fixture(scope="module")
 def chat_checkpoints(tmp_path_factory):
     """A tiny Llama with a chat template, one without, and the chat data."""
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
 
     root = tmp_path_factory.mktemp("sft")
     chat = save_tiny_pretrained("llama", root / "chat", chat=True)
@@ -223,7 +223,7 @@ class _Rows:
 def test_sft_batches_resume_where_the_checkpoint_left_off():
     """Killed after 3 micro-batches (of 2 rows, dp 1), a restart from the
     state reads the rest of the epoch and the next, as the whole run does."""
-    from ray_fsdp_backend.trainer.sft_batches import SftBatches
+    from ray_fsdp_backend.trainer.data.sft_batches import SftBatches
 
     shard = _Rows(_rows(10, seed=2))
     whole = SftBatches(shard, 2)

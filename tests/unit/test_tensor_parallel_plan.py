@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from ray_fsdp_backend.strategies.tensor_parallel import (
     check_tp_divisibility,
     match_plan,
     model_head_counts,
     resolve_tp_plan,
 )
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
 
 
 def _decoder(**kw) -> Transformer:

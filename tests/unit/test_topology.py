@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ray_fsdp_backend import FSDPConfig
-from ray_fsdp_backend.backend import resolve_pg_backend
-from ray_fsdp_backend.config import ShardingStrategy
-from ray_fsdp_backend.mesh import resolve_layout
-from ray_fsdp_backend.topology import (
+from ray_fsdp_backend.distributed.mesh import resolve_layout
+from ray_fsdp_backend.planning.topology import (
     TP_AXIS,
     WorkerInfo,
     compute_mesh_layout,
@@ -16,6 +14,8 @@ from ray_fsdp_backend.topology import (
     compute_topology_from_env,
     topology_from_node_counts,
 )
+from ray_fsdp_backend.runtime.backend import resolve_pg_backend
+from ray_fsdp_backend.settings.config import ShardingStrategy
 
 HSDP = ShardingStrategy.HYBRID_SHARD
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_fsdp_backend.trainer.data import (
+from ray_fsdp_backend.trainer.data.corpus import (
     ShardedBatches,
     WindowOrder,
     compute_rank_samples,

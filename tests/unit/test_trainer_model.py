@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_fsdp_backend.trainer.model import ModelConfig, Transformer
+from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, seq_len=16)
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_fsdp_backend.cli import merge_history
-from ray_fsdp_backend.clip import clip_grad_norm_
+from ray_fsdp_backend.cli.main import merge_history
 from ray_fsdp_backend.context_parallel import shard_sequence
-from ray_fsdp_backend.trainer import train
-from ray_fsdp_backend.trainer.data import ShardedBatches, load_corpus
-from ray_fsdp_backend.trainer.model import Transformer
-from ray_fsdp_backend.trainer.spec import TrainOptions, load_spec
+from ray_fsdp_backend.distributed.clip import clip_grad_norm_
+from ray_fsdp_backend.models.decoder import Transformer
+from ray_fsdp_backend.trainer.data.corpus import ShardedBatches, load_corpus
+from ray_fsdp_backend.trainer.loop import train
+from ray_fsdp_backend.trainer.schema.spec import TrainOptions, load_spec
 
 CPU_TINY = Path(__file__).resolve().parents[2] / "examples" / "cpu_tiny.yaml"
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.cli.main import main
 from ray_fsdp_backend.hf.check import check_pretrained
-from ray_fsdp_backend.trainer.preflight import cluster_errors, storage_errors
-from ray_fsdp_backend.trainer.spec import apply_overrides, build_spec, check_spec, load_yaml
+from ray_fsdp_backend.trainer.schema.preflight import cluster_errors, storage_errors
+from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, check_spec, load_yaml
 
 pytest.importorskip("transformers")
 
@@ -119,7 +119,7 @@ def test_object_store_checkpoint_not_found_and_found(s3_server, tiny_llama, monk
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory) -> dict[str, str]:
     """``config.json`` of each tiny kind the examples use (the checks read nothing else)."""
-    from ray_fsdp_backend.trainer.tiny_pretrained import tiny_config
+    from ray_fsdp_backend.models.tiny_pretrained import tiny_config
 
     root = tmp_path_factory.mktemp("configs")
     out = {}
@@ -215,7 +215,7 @@ def test_tensor_parallel_heads_of_an_hf_model(tmp_path, capsys, configs, no_ray)
 def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, configs):
     """Each example as written, its export already there (a second run):
     only the checkpoints the examples' comments create are stood in for."""
-    from ray_fsdp_backend.trainer.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
 
     stand_in = {
         "rfb-tiny-llama": configs["llama"],
@@ -297,17 +297,17 @@ def test_torchao_is_imported_only_by_a_quantising_run(configs):
 
     script = f"""
 import sys
-from ray_fsdp_backend.cli import main
+from ray_fsdp_backend.cli.main import main
 sys.argv = ["ray-fsdp", "validate", {str(EXAMPLES / "finetune_hf.yaml")!r},
             "--set", "model.pretrained={configs["llama"]}", "--set", "model.export=null"]
 assert main() == 0
 assert sys.modules.get("torchao") is None, "the driver imported torchao"
-from ray_fsdp_backend.trainer.train import quantizes
+from ray_fsdp_backend.trainer.loop.train import quantizes
 assert not quantizes({{"model": {{"lora": {{"r": 8}}}}}})
 assert quantizes({{"model": {{"lora": {{"base_quantization": "nf4"}}}}}})
 print("--- quantising", file=sys.stderr, flush=True)
 del sys.modules["torchao"]  # a process that quantises imports it on use
-from ray_fsdp_backend.quantization import _packed_nf4_class
+from ray_fsdp_backend.ops.quantization import _packed_nf4_class
 _packed_nf4_class()
 assert sys.modules.get("torchao") is not None
 """

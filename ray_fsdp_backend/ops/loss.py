@@ -1,0 +1,319 @@
+"""Cross-entropy of ``hidden @ weight.T`` that never holds the whole logits.
+
+At a large vocabulary the logits dominate a step's memory: 8 x 4096 tokens
+of Qwen3 (151,936 words) are 19.9 GB in fp32, their gradient as much
+again. :func:`linear_cross_entropy` computes the same loss over chunks of
+tokens: forward keeps one chunk's logits at a time and saves only each
+token's log-sum-exp; backward recomputes each chunk's logits and turns them
+into that chunk's gradients at once (torchtune's chunked loss and Cut
+Cross-Entropy work the same way, in plain torch: no Triton). The transient
+memory is ``chunk x vocab`` fp32 logits plus their softmax, not
+``tokens x vocab``.
+
+Labels are the targets of the rows of ``hidden`` as they are: label ``i``
+is the token that row ``i`` predicts, already shifted (the trainer's
+``targets``, what ``ctx.shard_sequence`` produces from transformers-style
+``labels``). Nothing is shifted here.
+
+Under tensor parallelism the head's weight is a ``Shard(0)`` DTensor over
+the vocabulary: each tp rank computes its vocabulary slice's logits, and
+the log-sum-exp is assembled with one all-reduce of the maxima and one of
+the exp-sums (stacked with the target logits) per chunk, as torch's
+``loss_parallel`` does; the hidden states' gradient is summed over the tp
+ranks in backward.
+
+With ``compile=True`` the per-chunk math (the chunk's logits, soft-cap,
+log-sum-exp and target logit in forward; softmax minus one-hot and the
+hidden states' matmul in backward) runs through ``torch.compile``, one
+compiled function each for forward and backward; the autograd function,
+the chunk loop, the weight gradient's accumulation and the tp all-reduces
+stay eager. Full chunks compile with static shapes; the last, shorter chunk
+of a call makes dynamo mark the token dimension dynamic, so remainders of
+other lengths reuse that graph (``dynamic=None``, torch's automatic dynamic
+shapes; a 1-token remainder is specialised once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ray_fsdp_backend.planning.memory import DEFAULT_CHUNK_TOKENS
+
+REDUCTIONS = ("sum", "mean")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "sum",
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    compile: bool = False,
+) -> torch.Tensor:
+    """``F.cross_entropy((hidden @ weight.T).float(), labels)`` without the
+    whole ``[tokens, vocab]`` logits.
+
+    The logits of ``chunk_size`` tokens at a time are computed in the
+    inputs' dtype (a bf16 matmul accumulates in fp32) and turned to fp32
+    before the soft-cap, softmax and log-sum-exp; backward recomputes them
+    chunk by chunk. The weight's gradient is accumulated in fp32 over the
+    chunks and returned in its dtype.
+
+    Args:
+        hidden: ``[..., dim]`` final hidden states (after the last norm).
+        weight: ``[vocab, dim]`` output head weight (tied or not); a
+            ``Shard(0)`` DTensor over a tp mesh computes vocabulary-parallel.
+        labels: ``[...]`` target token per row of ``hidden``, already
+            shifted; ``ignore_index`` rows count for nothing.
+        ignore_index: label value that takes no loss.
+        reduction: ``sum`` (over valid tokens) or ``mean`` (over valid tokens).
+        chunk_size: tokens per chunk (None: :data:`DEFAULT_CHUNK_TOKENS`).
+        softcap: Gemma 2's final logit soft-cap ``c * tanh(logits / c)``.
+        compile: run each chunk's forward and backward math through
+            ``torch.compile`` (inductor; a C++ compiler on CPU); the same
+            numbers as eager within fp32 rounding.
+
+    Returns:
+        A 0-d fp32 tensor.
+
+    Raises:
+        ValueError: a reduction not in ``sum``/``mean``, a chunk size below 1,
+            or mismatched shapes.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    chunk = DEFAULT_CHUNK_TOKENS if chunk_size is None else chunk_size
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: labels must be "
+            "hidden's shape without its last dim (one target per row, already shifted)"
+        )
+    hidden, weight, group, vocab_start = _local_operands(hidden, weight)
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden dim {hidden.shape[-1]} != weight dim {weight.shape[-1]}")
+    total = _ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        ignore_index,
+        chunk,
+        softcap,
+        group,
+        vocab_start,
+        _kernels(compile),
+    )
+    if reduction == "sum":
+        return total
+    return total / (labels != ignore_index).sum()
+
+
+def _local_operands(hidden: torch.Tensor, weight: torch.Tensor):
+    """Plain tensors for the kernel, with the tp group and this rank's first
+    word when the weight is split over the vocabulary (else None, 0).
+
+    A DTensor ``hidden`` (a tp head's input, made ``Replicate``) becomes its
+    local tensor; its gradient, summed over tp here, is Replicate too."""
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(hidden.device_mesh, [Replicate()]).to_local()
+    if not isinstance(weight, DTensor):
+        return hidden, weight, None, 0
+    mesh, placements = weight.device_mesh, weight.placements
+    if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        return hidden, weight.full_tensor(), None, 0
+    vocab, size, rank = weight.shape[0], mesh.size(), mesh.get_local_rank()
+    if vocab % size:
+        raise ValueError(f"vocabulary {vocab} is not a multiple of the tp size {size}")
+    return hidden, weight.to_local(), mesh.get_group(), rank * (vocab // size)
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """One chunk's fp32 (capped) logits: the matmul in the inputs' dtype."""
+    return _capped((h @ w.T).float(), softcap)
+
+
+def _logits_peak(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
+    """One chunk's fp32 logits over this rank's vocabulary (slice), their
+    row maxima, and each row's target logit where its target lies in the
+    slice (else 0)."""
+    z = _chunk_logits(h, w, softcap)
+    target, valid = _local_targets(labels, ignore_index, vocab_start, w.shape[0])
+    picked = torch.where(valid, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
+    return z, z.max(dim=1).values, picked
+
+
+def _exp_sum(z: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """Row sums of ``exp(z - peak)``, in place in ``z``: one chunk held."""
+    return z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1)
+
+
+def _chunk_stats(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
+    """One chunk's log-sum-exp and target logits over the whole vocabulary
+    (the weight unsplit): :func:`_logits_peak` and :func:`_exp_sum` in one."""
+    z, peak, picked = _logits_peak(h, w, labels, ignore_index, vocab_start, softcap)
+    return peak + _exp_sum(z, peak).log(), picked
+
+
+def _chunk_grads(h, w, labels, lse, scale, options: tuple, want_hidden: bool):
+    """One chunk's gradient of ``scale`` x its token-sum loss with respect to
+    its logits (in ``h``'s dtype) and, when ``want_hidden``, to ``h``;
+    ``options``: ``(ignore_index, vocab_start, softcap)``."""
+    grad_z = _chunk_grad(h, w, labels, lse, *options).mul_(scale).to(h.dtype)
+    return grad_z, (grad_z @ w if want_hidden else None)
+
+
+class _Kernels(NamedTuple):
+    """The per-chunk math, eager or compiled: ``stats`` for a whole
+    vocabulary, ``logits_peak`` and ``exp_sum`` on either side of a tp
+    all-reduce of the maxima, ``grads`` for backward."""
+
+    stats: Callable
+    logits_peak: Callable
+    exp_sum: Callable
+    grads: Callable
+
+
+_EAGER = _Kernels(_chunk_stats, _logits_peak, _exp_sum, _chunk_grads)
+_COMPILED: list[_Kernels] = []
+
+
+def _kernels(compiled: bool) -> _Kernels:
+    """The eager kernels, or their ``torch.compile``-d twins (made once per
+    process: dynamo keeps one graph per shape class and guard set)."""
+    if not compiled:
+        return _EAGER
+    if not _COMPILED:
+        _COMPILED.append(_Kernels(*(torch.compile(fn, dynamic=None) for fn in _EAGER)))
+    return _COMPILED[0]
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _chunk_forward(kernels: _Kernels, h, w, labels, options: tuple, group):
+    """One chunk's log-sum-exp and target logits over the whole vocabulary;
+    under tp one all-reduce of the maxima and one of the exp-sums and target
+    logits, between the kernels. ``options``: ``(ignore_index, vocab_start,
+    softcap)``."""
+    if group is None:
+        return kernels.stats(h, w, labels, *options)
+    z, peak, picked = kernels.logits_peak(h, w, labels, *options)
+    peak = _all_reduce(peak, dist.ReduceOp.MAX, group)
+    sums = _all_reduce(torch.stack((kernels.exp_sum(z, peak), picked)), dist.ReduceOp.SUM, group)
+    return peak + sums[0].log(), sums[1]
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Token-sum cross-entropy over chunks; saves only the log-sum-exps."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, labels, ignore_index, chunk, softcap, group, vocab_start, kernels
+    ):
+        n = hidden.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        options = (ignore_index, vocab_start, softcap)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            rows = labels[start:end]
+            stats = _chunk_forward(kernels, hidden[start:end], weight, rows, options, group)
+            lse[start:end], picked = stats
+            total += torch.where(rows != ignore_index, lse[start:end] - picked, 0.0).sum()
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.options = options
+        ctx.chunk, ctx.group, ctx.kernels = chunk, group, kernels
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = None
+        if want_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            h = hidden[start:end]
+            grad_z, grad_h = ctx.kernels.grads(
+                h, weight, labels[start:end], lse[start:end], grad_total, ctx.options, want_hidden
+            )
+            if want_hidden:
+                grad_hidden[start:end] = grad_h
+            if want_weight and grad_z.dtype == torch.float32:
+                grad_weight.addmm_(grad_z.T, h)
+            elif want_weight:  # bf16 product, summed over the chunks in fp32
+                grad_weight += grad_z.T @ h
+            del grad_z
+        if want_hidden:
+            _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _chunk_grad(h, weight, labels, lse, ignore_index, vocab_start, softcap) -> torch.Tensor:
+    """d(token-sum loss) / d(pre-cap logits) of one chunk, fp32."""
+    z = _chunk_logits(h, weight, softcap)
+    grad = (z - lse.unsqueeze(1)).exp_()  # softmax
+    target, valid = _local_targets(labels, ignore_index, vocab_start, weight.shape[0])
+    # Minus one at each target in this slice (a scatter: no host sync).
+    grad.scatter_add_(1, target.unsqueeze(1), -valid.to(grad.dtype).unsqueeze(1))
+    grad *= (labels != ignore_index).unsqueeze(1)
+    if softcap is not None:
+        grad *= 1.0 - (z / softcap).square()
+    return grad
+
+
+def _local_targets(labels, ignore_index, vocab_start, vocab_local):
+    """Labels as columns of this rank's vocabulary slice, and which rows' target lies in it."""
+    local = labels - vocab_start
+    valid = (labels != ignore_index) & (local >= 0) & (local < vocab_local)
+    return torch.where(valid, local, 0), valid
+
+
+class HeadInput:
+    """What :func:`capture_head_input` saw: the head's input ``hidden``."""
+
+    hidden: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def capture_head_input(head: nn.Module) -> Iterator[HeadInput]:
+    """While open, every call of the output ``head`` keeps its input in the
+    yielded :class:`HeadInput` and computes the first position of each row
+    only (its input becomes the ``[..., :1, :]`` slice; an empty one fails
+    DTensor's sharding propagation under tp, torch 2.13): the model's forward
+    runs whole but makes ``batch x vocab`` logits, not ``tokens x vocab``.
+    The hook runs after the head's own pre-hooks (a tp head's input is then
+    the ``Replicate`` DTensor its weight takes)."""
+    captured = HeadInput()
+
+    def hook(_module, args):
+        captured.hidden = args[0]
+        return (args[0][..., :1, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()

@@ -1,0 +1,75 @@
+"""What the workers make of ``rfb.sft_dataset`` rows (``data.format``
+``chat`` / ``prompt_completion``; the driver side is :mod:`.sft_data`).
+
+:class:`SftBatches` turns a shard's rows into the trainer's micro-batches
+(targets shifted within each document) and resumes like
+:class:`~ray_fsdp_backend.trainer.data.corpus.RayDataBatches`; :func:`eval_batches`
+gives each dp rank its share of the held-out rows, padded so that every rank
+runs the same number of forwards (FSDP's all-gathers are collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ray_fsdp_backend.context_parallel.sequence import IGNORE_INDEX, shift_labels
+from ray_fsdp_backend.trainer.data.corpus import RayDataBatches
+from ray_fsdp_backend.trainer.data.sft import EVAL_DATASET
+
+__all__ = ["EVAL_DATASET", "SftBatches", "eval_batches", "pad_rows", "to_micro_batch"]
+
+
+def to_micro_batch(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``rfb.sft_dataset`` rows as the trainer's micro-batch: ``targets`` are
+    the labels shifted within each document (a document's last token
+    predicts nothing), as :class:`~ray_fsdp_backend.trainer.data.corpus.PackedBatches`
+    gives them."""
+    positions = rows["position_ids"].long()
+    return {
+        "input_ids": rows["input_ids"].long(),
+        "targets": shift_labels(rows["labels"].long(), positions),
+        "position_ids": positions,
+    }
+
+
+class SftBatches(RayDataBatches):
+    """One rank's micro-batches of ``rfb.sft_dataset`` rows (its
+    ``MeshDataConfig`` shard), epoch after epoch; the data position (rows the
+    job read in this epoch) resumes as :class:`RayDataBatches`'s does."""
+
+    def to_batch(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return to_micro_batch(rows)
+
+
+def eval_batches(
+    global_batches: Iterable[dict[str, torch.Tensor]],
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This dp rank's micro-batches of the whole held-out set, from its rows
+    in batches of ``micro_batch_size * dp_size`` (``iter_torch_batches``):
+    of each, the ``dp_rank``-th block; a short block is filled with rows that
+    carry no loss, so every rank runs as many forwards."""
+    first = dp_rank * micro_batch_size
+    for rows in global_batches:
+        batch = to_micro_batch(rows)
+        mine = {k: v[first : first + micro_batch_size] for k, v in batch.items()}
+        yield pad_rows(mine, micro_batch_size)
+
+
+def pad_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """``batch`` with rows appended up to ``rows``: token 0, no target,
+    positions ``0 .. seq-1``."""
+    missing = rows - len(batch["input_ids"])
+    if missing <= 0:
+        return batch
+    seq = batch["input_ids"].shape[1]
+    fill = {
+        "input_ids": torch.zeros(missing, seq, dtype=torch.long),
+        "targets": torch.full((missing, seq), IGNORE_INDEX, dtype=torch.long),
+        "position_ids": torch.arange(seq).expand(missing, seq),
+    }
+    return {k: torch.cat([batch[k], fill[k]]) for k in batch}
