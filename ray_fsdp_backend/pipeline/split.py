@@ -23,6 +23,7 @@ from torch import nn
 from ray_fsdp_backend.pipeline import families
 from ray_fsdp_backend.pipeline.families import HF_FAMILIES
 from ray_fsdp_backend.planning.pipeline_layout import StagePlan, plan_stages, tied_embeddings_error
+from ray_fsdp_backend.strategies.blocks import STAGE_MODULES, pipeline_roots
 
 
 class StageLayers(nn.ModuleList):
@@ -99,15 +100,8 @@ def split_for_stages(
         _drop_head(model, owner, head)
     model.forward = types.MethodType(_run_by_stages, model)
     model.pipeline_plan = tuple(clone.pipeline_plan for clone in clones)
-    model.__dict__["pipeline_stage_modules"] = clones
+    model.__dict__[STAGE_MODULES] = clones
     return model
-
-
-def pipeline_roots(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP2 makes roots: each virtual stage's module of a model
-    :func:`split_for_stages` cut (torch's PipelineStage then drives each
-    one's gradient sync), else the model itself."""
-    return list(model.__dict__.get("pipeline_stage_modules", ())) or [model]
 
 
 def _shallow_clone(model: nn.Module) -> nn.Module:

@@ -5,7 +5,7 @@ rules between fields (what needs ``use_fsdp``, which parallelisms compose).
 Each check raises ``ValueError`` naming the field, the value and the rule;
 ``FSDPSettings.__post_init__`` runs them all when the settings are built.
 Like the config, this module imports nothing of the package but the pure
-pipeline schedule rules, and nothing from Ray.
+pipeline schedule rules (:mod:`.pipeline_schedules`), and nothing from Ray.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import dataclasses
 import difflib
 import enum
 from typing import Any
+
+from ray_fsdp_backend.settings.pipeline_schedules import PIPELINE_SCHEDULES, schedule_errors
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -271,16 +273,6 @@ def _check_expert_parallel(cfg: Any) -> None:
         )
 
 
-PIPELINE_SCHEDULES = (
-    "1f1b",
-    "gpipe",
-    "interleaved_1f1b",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-)
-"""``pipeline_schedule`` values (the first two: one stage per rank)."""
-
-
 def _check_pipeline_parallel(cfg: Any) -> None:
     pp, micro = cfg.pipeline_parallel_size, cfg.pipeline_microbatches
     _check_one_of("pipeline_schedule", cfg.pipeline_schedule, PIPELINE_SCHEDULES)
@@ -325,8 +317,6 @@ def _check_pipeline_composition(cfg: Any) -> None:
             f"pipeline_microbatches={micro} < pipeline_parallel_size={pp}: pipeline_schedule="
             "1f1b needs at least one micro-batch per stage"
         )
-    from ray_fsdp_backend.planning.pipeline_schedules import schedule_errors
-
     errors = schedule_errors(cfg.pipeline_schedule, pp, cfg.pipeline_virtual_stages, micro)
     if errors:
         raise ValueError(errors[0])

@@ -25,6 +25,18 @@ from ray_fsdp_backend.strategies.cpu_rng import (
 
 _logger = logging.getLogger(__name__)
 
+STAGE_MODULES = "pipeline_stage_modules"
+"""The attribute in which a model cut into virtual pipeline stages
+(:func:`ray_fsdp_backend.pipeline.split.split_for_stages`) lists one module
+per stage."""
+
+
+def pipeline_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 makes roots: each virtual stage's module of a model
+    :func:`~ray_fsdp_backend.pipeline.split.split_for_stages` cut (torch's
+    PipelineStage then drives each one's gradient sync), else the model itself."""
+    return list(model.__dict__.get(STAGE_MODULES, ())) or [model]
+
 
 def find_blocks(model: nn.Module, class_names: Sequence[str] = ()) -> list[nn.Module]:
     """The model's blocks, outermost first and never one inside another.

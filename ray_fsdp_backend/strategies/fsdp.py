@@ -48,6 +48,7 @@ from ray_fsdp_backend.strategies.blocks import (
     find_blocks,
     has_meta_tensors,
     materialize_meta_module,
+    pipeline_roots,
 )
 from ray_fsdp_backend.strategies.expert_parallel import apply_expert_parallel, shard_experts
 
@@ -121,8 +122,6 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, policy: FSDPPoli
             "names of its repeated blocks.",
             type(model).__name__,
         )
-    from ray_fsdp_backend.pipeline.split import pipeline_roots
-
     kwargs = dict(mesh=mesh, **policy.kwargs)
     for block in blocks:
         fully_shard(block, **kwargs)

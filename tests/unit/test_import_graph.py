@@ -107,7 +107,7 @@ def test_finder_names_a_cycle():
 
 def test_graph_sees_imports_inside_functions():
     graph = import_graph()
-    # context.py imports the checkpoint package only inside its methods.
+    # runtime/context.py imports the checkpoint package only inside its methods.
     assert "ray_fsdp_backend.checkpoint" in graph["ray_fsdp_backend.runtime.context"]
 
 
@@ -121,22 +121,114 @@ def test_benchmark_imports_have_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_pure_layers_import_only_the_config():
-    # The config's checks test a pipeline schedule with the pure schedule
-    # rules, which import nothing of the package.
-    graph = import_graph()
-    schedules = "ray_fsdp_backend.planning.pipeline_schedules"
-    config = {"ray_fsdp_backend.settings.config", "ray_fsdp_backend.settings.checks", schedules}
-    assert _reachable(graph, schedules) == set()
-    assert _reachable(graph, "ray_fsdp_backend.settings.config") == config - {
-        "ray_fsdp_backend.settings.config"
+LAYERS = (
+    ("settings",),
+    ("planning", "storage"),
+    ("compat", "distributed"),
+    ("ops", "context_parallel"),
+    ("models",),
+    ("strategies",),
+    ("checkpoint", "hf", "dmuon", "metrics"),
+    ("pipeline",),
+    ("runtime",),
+    ("sft",),
+    ("",),
+    ("trainer.schema",),
+    ("trainer.data",),
+    ("trainer", "trainer.loop"),
+    ("cli",),
+)
+"""The package's layers, lowest first (docs/architecture.md): a module may
+import its own folder and any folder of a lower layer; folders of one layer
+never import each other. ``""`` is the package root, the public face."""
+
+PURE_FOLDERS = ("settings", "planning")
+"""Folders that import no torch, Ray or Hugging Face library, even lazily."""
+
+HEAVY = {"torch", "ray", "transformers", "peft", "torchao", "safetensors", "pyarrow"}
+
+
+def folder_of(module: str) -> str:
+    """The folder of the layer table ``module`` belongs to (``trainer``'s
+    subfolders are layers of their own)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return ""
+    if parts[0] == "trainer" and len(parts) > 1:
+        return f"trainer.{parts[1]}"
+    return parts[0] if len(parts) > 1 or (ROOT / parts[0]).is_dir() else ""
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that is not downward in :data:`LAYERS`, and every module
+    in a folder the table does not name."""
+    rank = {folder: i for i, layer in enumerate(LAYERS) for folder in layer}
+    problems = []
+    for module, edges in sorted(graph.items()):
+        here = folder_of(module)
+        if here not in rank:
+            problems.append(f"{module}: folder {here or '(root)'!r} is in no layer")
+            continue
+        for target in sorted(edges):
+            there = folder_of(target)
+            if there != here and rank.get(there, len(LAYERS)) >= rank[here]:
+                problems.append(
+                    f"{module} -> {target}: {here or 'root'} does not sit above {there}"
+                )
+    return problems
+
+
+def test_layer_check_names_an_upward_import():
+    graph = {
+        "ray_fsdp_backend.planning.topology": {"ray_fsdp_backend.settings.config"},
+        "ray_fsdp_backend.settings.config": {"ray_fsdp_backend.planning.memory"},
+        "ray_fsdp_backend.ops.loss": {"ray_fsdp_backend.context_parallel.attention"},
     }
-    for pure in (
-        "ray_fsdp_backend.planning.topology",
-        "ray_fsdp_backend.planning.memory",
-        "ray_fsdp_backend.planning.elastic",
-    ):
-        assert _reachable(graph, pure) <= config, pure
+    assert layer_violations(graph) == [
+        "ray_fsdp_backend.ops.loss -> ray_fsdp_backend.context_parallel.attention: "
+        "ops does not sit above context_parallel",
+        "ray_fsdp_backend.settings.config -> ray_fsdp_backend.planning.memory: "
+        "settings does not sit above planning",
+    ]
+
+
+def test_root_holds_the_public_face_and_folders_only():
+    loose = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"modules at the package root: {loose}; give each a folder"
+
+
+def test_every_import_points_down_the_layers():
+    # Lazy imports (inside functions) count: a lazy import hides an upward
+    # dependency from the interpreter's start-up, not from the reader.
+    problems = layer_violations(import_graph())
+    assert problems == [], "\n".join(problems)
+
+
+def _imported_roots(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+    names |= {
+        n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level
+    }
+    return {name.split(".")[0] for name in names}
+
+
+@pytest.mark.parametrize("folder", PURE_FOLDERS)
+def test_pure_folders_import_no_torch_ray_or_hugging_face(folder):
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(_imported_roots(path) & HEAVY)
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if _imported_roots(path) & HEAVY
+    }
+    assert offenders == {}, offenders
+
+
+def test_pure_folders_reach_only_pure_folders():
+    graph = import_graph()
+    for module in graph:
+        if folder_of(module) in PURE_FOLDERS:
+            reached = {folder_of(m) for m in _reachable(graph, module)}
+            assert reached <= set(PURE_FOLDERS), (module, reached)
 
 
 def test_strategies_never_reach_the_backend_or_the_context():
@@ -146,19 +238,3 @@ def test_strategies_never_reach_the_backend_or_the_context():
             reached = _reachable(graph, module)
             assert "ray_fsdp_backend.runtime.backend" not in reached, module
             assert "ray_fsdp_backend.runtime.context" not in reached, module
-
-
-@pytest.mark.parametrize("name", ["config.py", "config_checks.py"])
-def test_config_does_not_import_ray(name):
-    source = (ROOT / name).read_text()
-    imported = {
-        alias.name.split(".")[0]
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Import)
-        for alias in node.names
-    } | {
-        (node.module or "").split(".")[0]
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.ImportFrom)
-    }
-    assert "ray" not in imported

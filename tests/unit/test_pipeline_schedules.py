@@ -12,12 +12,9 @@ from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from ray_fsdp_backend.pipeline.split import pipeline_roots, split_for_stage, split_for_stages
 from ray_fsdp_backend.planning.pipeline_layout import format_pipeline_plan
 from ray_fsdp_backend.planning.pipeline_plan import in_flight
-from ray_fsdp_backend.planning.pipeline_schedules import (
-    bubble_fraction,
-    schedule_errors,
-    stage_indices,
-)
+from ray_fsdp_backend.planning.pipeline_schedules import bubble_fraction, stage_indices
 from ray_fsdp_backend.settings.config import FSDPSettings
+from ray_fsdp_backend.settings.pipeline_schedules import schedule_errors
 
 
 @pytest.mark.parametrize("pp, virtual", [(2, 2), (4, 2), (3, 3)])
