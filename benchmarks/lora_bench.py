@@ -34,7 +34,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 def _build(rank: int, path: str, side: str):
     from ray_fsdp_backend import FSDPSettings, build_strategy, load_pretrained
     from ray_fsdp_backend.hf.models import build_causal_lm
-    from ray_fsdp_backend.trainer.loop.lora import LoraOptions, apply_lora
+    from ray_fsdp_backend.trainer.schema.lora import LoraOptions, apply_lora
 
     config = FSDPSettings(use_fsdp=True, use_mixed_precision=False)
     strategy = build_strategy(config, device=torch.device("cpu"), local_rank=rank)

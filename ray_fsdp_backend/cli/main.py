@@ -27,8 +27,8 @@ from ray_fsdp_backend.compat.optional_imports import keep_torchao_unimported
 from ray_fsdp_backend.planning.elastic import worker_range
 from ray_fsdp_backend.planning.experts import moe_model_from_hf
 from ray_fsdp_backend.runtime.ray_start import init_ray
-from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.preflight import cluster_errors
+from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.spec import (
     RunSpec,
     apply_overrides,

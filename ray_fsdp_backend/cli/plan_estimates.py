@@ -22,7 +22,7 @@ from ray_fsdp_backend.planning.memory import (
     format_count,
 )
 from ray_fsdp_backend.planning.topology import CP_AXIS, DATA_PARALLEL_AXES, SHARD_AXIS, TP_AXIS
-from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig
+from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
 
 

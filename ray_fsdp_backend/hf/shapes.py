@@ -144,7 +144,9 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def shape_sizes(ckpt: CheckpointShapes, lora=None) -> dict[str, int]:
-    """The counts :func:`~ray_fsdp_backend.trainer.loop.pretrained` reports, from
+    """The counts
+    :class:`~ray_fsdp_backend.trainer.schema.pretrained.PretrainedModelConfig`
+    reports, from
     shapes: the model's (a tied head counted once), with LoRA adapters of
     rank ``lora.r`` on every linear module whose name ends in a target (as
     peft matches them: ``r x (in + out)`` each, the base frozen)."""

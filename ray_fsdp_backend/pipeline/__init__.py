@@ -1,13 +1,15 @@
-"""Pipeline parallelism: stages on the outermost mesh axis ``pp``, FSDP2 (and
-TP) inside each stage, torch.distributed.pipelining's schedules.
+"""Pipeline parallelism's runtime: stages on the outermost mesh axis ``pp``,
+FSDP2 (and TP) inside each stage, torch.distributed.pipelining's schedules.
 
-- :mod:`.layout`: pure decisions (the mesh with ``pp`` outermost, which
-  layers each stage holds, micro-batch count);
-- :mod:`.schedules`: pure schedule decisions (what torch's schedules run,
-  each rank's stages, the bubble);
+- :mod:`.families`: the Hugging Face decoder families the split knows;
 - :mod:`.split`: cut a decoder down to one stage's modules, keeping the
   original parameter names;
 - :mod:`.step`: ``ctx.pipeline_step``, one optimizer step's schedule.
+
+The pure half (the mesh with ``pp`` outermost, which layers each stage holds,
+the micro-batch count, each rank's stages and the bubble) is planning:
+:mod:`ray_fsdp_backend.planning.pipeline_layout` and
+:mod:`ray_fsdp_backend.planning.pipeline_schedules`, re-exported here.
 """
 
 from ray_fsdp_backend.planning.pipeline_layout import (

@@ -87,7 +87,8 @@ def _toy(ctx, loop_config: dict):
 def _lora(ctx, loop_config: dict):
     """The tiny pretrained Llama with LoRA adapters, and its step loss."""
     from ray_fsdp_backend.models.tiny_pretrained import VOCAB
-    from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig, build_pretrained
+    from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
+    from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 
     lora = {"r": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
     lora.update(loop_config.get("lora", {}))  # QLoRA: base_quantization nf4

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from ray_fsdp_backend.hf.shapes import SHAPE_FAMILIES, read_local_shapes, shape_sizes
-from ray_fsdp_backend.trainer.loop.lora import LoraOptions
-from ray_fsdp_backend.trainer.loop.pretrained import meta_sizes
+from ray_fsdp_backend.trainer.schema.lora import LoraOptions
+from ray_fsdp_backend.trainer.schema.pretrained import meta_sizes
 
 # family -> a tiny model (zoo families: tests/zoo_families.py; llama and Qwen3-MoE:
 # the examples' checkpoints, in several safetensors files with an index)
@@ -112,8 +112,8 @@ def test_pipeline_split_refusals_equal_the_meta_models(case, tmp_path):
     layer and one more (the tied cases compared refuse at every count)."""
     from ray_fsdp_backend.hf.models import build_causal_lm
     from ray_fsdp_backend.pipeline.split import split_for_stage
-    from ray_fsdp_backend.trainer.loop.pipeline import _split_error, _split_rules
-    from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig
+    from ray_fsdp_backend.trainer.schema.pipeline import _split_error, _split_rules
+    from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 
     model = PretrainedModelConfig(pretrained=save_checkpoint(case, tmp_path))
     assert _split_rules(model) is not None  # the rules, not the meta model, answer

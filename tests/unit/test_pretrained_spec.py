@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ray_fsdp_backend.cli.main import main
-from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig
+from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, check_spec, load_yaml
 
 pytest.importorskip("transformers")
@@ -84,7 +84,7 @@ def test_plan_counts_frozen_base_and_adapters(tmp_path, capsys):
 
 
 def test_lora_target_matching_no_layer_is_named(tmp_path):
-    from ray_fsdp_backend.trainer.loop.pretrained import _sizes
+    from ray_fsdp_backend.trainer.schema.pretrained import _sizes
 
     path = _llama_8b_config(tmp_path / "llama")
     doc = load_yaml(LORA_EXAMPLE) | {"model": {

@@ -280,3 +280,14 @@ def pack_text_rows(batch: dict[str, np.ndarray], seq_len: int) -> dict[str, np.n
 def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, seq_len + 1)`` token rows to ``(inputs, targets)``."""
     return rows[:, :-1], rows[:, 1:]
+
+
+def tokenize_corpus(cfg, path: str | None) -> torch.Tensor:
+    """The corpus (``data.path``, or the shipped one) as the ids of the
+    tokenizer saved beside ``cfg.pretrained``'s checkpoint (``cfg``: a
+    ``PretrainedModelConfig``), one long int64 tensor."""
+    from ray_fsdp_backend.hf.models import load_tokenizer
+
+    text = load_corpus(path).to(torch.uint8).numpy().tobytes().decode("utf-8", errors="replace")
+    tokenizer = load_tokenizer(cfg.pretrained)
+    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)

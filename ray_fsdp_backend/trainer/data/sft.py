@@ -1,7 +1,8 @@
 """Chat and prompt/completion records for ``ray-fsdp train`` (``data.format``
 ``chat`` / ``prompt_completion``).
 
-On the driver, before any worker starts, :func:`sft_input_errors` reads the
+On the driver, before any worker starts,
+:func:`~ray_fsdp_backend.trainer.schema.sft.sft_input_errors` reads the
 records with the checkpoint's tokenizer (a missing field, no chat template,
 an empty dataset, a file that is not JSON / parquet) and
 :func:`build_sft_datasets` builds the datasets with exactly
@@ -13,7 +14,8 @@ materialised once in the object store and read whole by every rank.
 
 What the workers make of the rows is :mod:`.sft_batches`. Nothing here
 imports torch or Ray at module level: ``plan`` and ``validate`` run
-:func:`sft_input_errors` (docs/parallelism.md, "Planning a layout").
+:func:`~ray_fsdp_backend.trainer.schema.sft.sft_input_errors` (docs/parallelism.md, "Planning
+a layout").
 """
 
 from __future__ import annotations
@@ -23,50 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from ray_fsdp_backend.trainer.schema.sft import sft_options
+
 EVAL_DATASET = "eval"
 """The held-out dataset's name among the trainer's datasets (not split by rank)."""
-
-
-def sft_options(data, seq_len: int) -> dict[str, Any]:
-    """``rfb.sft_dataset``'s keyword arguments from the ``data:`` section."""
-    return dict(
-        format=data.format,
-        seq_len=seq_len,
-        packing=data.packing,
-        train_on_prompt=data.train_on_prompt,
-        messages_field=data.messages_field,
-        prompt_field=data.prompt_field,
-        completion_field=data.completion_field,
-    )
-
-
-def _paths(data) -> dict[str, str]:
-    """The record paths and the keys that name them in messages."""
-    paths = {"data.path": data.path}
-    if data.eval_path is not None:
-        paths["data.eval_path"] = data.eval_path
-    return paths
-
-
-def sft_input_errors(data, model) -> list[str]:
-    """What ``rfb.sft_dataset`` would refuse in ``data.path`` (and
-    ``data.eval_path``), found on the driver with the checkpoint's tokenizer
-    (``check_sft_source``: the first records of every file); each message
-    names the key, the file and the record."""
-    from ray_fsdp_backend.hf.metadata import load_tokenizer
-    from ray_fsdp_backend.sft import check_sft_source
-
-    try:
-        tokenizer = load_tokenizer(model.pretrained)
-    except (OSError, ValueError) as exc:
-        return [f"model.pretrained={model.pretrained!r}: its tokenizer cannot be loaded: {exc}"]
-    errors = []
-    for key, path in _paths(data).items():
-        try:
-            check_sft_source(path, tokenizer, **sft_options(data, model.seq_len))
-        except (OSError, ValueError) as exc:  # SFTDataError is a ValueError
-            errors.append(f"{key}={path!r}: {exc}")
-    return errors
 
 
 def build_sft_datasets(spec) -> dict[str, Any]:

@@ -49,17 +49,14 @@ from ray_fsdp_backend.trainer.data.corpus import (
     RayDataBatches,
     ShardedBatches,
     load_corpus,
+    tokenize_corpus,
 )
 from ray_fsdp_backend.trainer.data.sft_batches import EVAL_DATASET, SftBatches, eval_batches
 from ray_fsdp_backend.trainer.loop.evaluation import evaluate
 from ray_fsdp_backend.trainer.loop.loss import prepare_loss
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
 from ray_fsdp_backend.trainer.loop.pipeline import pipeline_flops_per_token, pipeline_token_sum
-from ray_fsdp_backend.trainer.loop.pretrained import (
-    PretrainedModelConfig,
-    build_pretrained,
-    tokenize_corpus,
-)
+from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
 from ray_fsdp_backend.trainer.loop.step import (
     StepResult,
     as_batch,
@@ -67,6 +64,7 @@ from ray_fsdp_backend.trainer.loop.step import (
     local_value,
     train_step,
 )
+from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.spec import RunSpec, TrainOptions, build_spec
 
 # Progress goes through logging, not print: Ray Train V2 (2.60) patches a

@@ -17,9 +17,9 @@ from ray_fsdp_backend.planning.elastic import (
     elastic_world_sizes,
     worker_range,
 )
-from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.options import DataOptions, ScalingOptions, TrainOptions
 from ray_fsdp_backend.trainer.schema.preflight import storage_errors
+from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 
 
 def cross_section_errors(built: Mapping[str, Any]) -> list[str]:
@@ -38,7 +38,7 @@ def cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
     if dist is not None and dist.pipeline_parallel_size > 1:  # the split imports torch
-        from ray_fsdp_backend.trainer.loop.pipeline import pipeline_errors
+        from ray_fsdp_backend.trainer.schema.pipeline import pipeline_errors
 
         errors += pipeline_errors(dist, model, train, data)
     errors += tensor_parallel_errors(dist, model)

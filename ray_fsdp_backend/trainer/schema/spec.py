@@ -29,7 +29,6 @@ from typing import Any
 
 from ray_fsdp_backend.models.config import ModelConfig
 from ray_fsdp_backend.settings.config import FSDPSettings, parse_yaml
-from ray_fsdp_backend.trainer.loop.pretrained import PretrainedModelConfig, build_model_section
 from ray_fsdp_backend.trainer.schema.options import (
     DATA_FORMATS,
     DATA_SOURCES,
@@ -42,6 +41,7 @@ from ray_fsdp_backend.trainer.schema.options import (
     TrainOptions,
     options_builder,
 )
+from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig, build_model_section
 from ray_fsdp_backend.trainer.schema.rules import (
     cross_section_errors,
     data_errors,
@@ -153,7 +153,7 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
     errors += cross_section_errors(built)
     data = built.get("data")
     if not errors and data is not None and data.is_sft:  # reads records: once all else holds
-        from ray_fsdp_backend.trainer.data.sft import sft_input_errors
+        from ray_fsdp_backend.trainer.schema.sft import sft_input_errors
 
         errors += sft_input_errors(data, built["model"])
     return errors
