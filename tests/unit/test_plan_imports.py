@@ -152,3 +152,29 @@ def test_train_gets_fsdp_config_plan_the_same_plain_settings():
     assert type(for_plan.distributed) is FSDPSettings
     assert for_plan.distributed.to_dict() == for_train.distributed.to_dict()
     assert for_plan.model == for_train.model and for_plan.train == for_train.train
+
+
+_IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+import ray_fsdp_backend
+for folder in sys.argv[1:]:
+    package = importlib.import_module(f"ray_fsdp_backend.{folder}")
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+print(json.dumps([m for m in ("torch", "ray", "transformers", "pyarrow") if m in sys.modules]))
+"""
+
+
+def test_the_pure_folders_load_without_torch_or_ray():
+    """Every module of ``settings/`` and ``planning/`` imported in a fresh
+    interpreter loads none of torch, Ray, ``transformers`` or pyarrow (the
+    static check of their imports, lazy ones included, is
+    ``test_import_graph.test_pure_folders_import_no_torch_ray_or_hugging_face``)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ALL, "settings", "planning"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == []
