@@ -173,7 +173,7 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
             there = folder_of(target)
             if there != here and rank.get(there, len(LAYERS)) >= rank[here]:
                 problems.append(
-                    f"{module} -> {target}: {here or 'root'} does not sit above {there}"
+                    f"{module} -> {target}: {here or 'root'} does not sit above {there or 'root'}"
                 )
     return problems
 
@@ -215,9 +215,11 @@ def _imported_roots(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("folder", PURE_FOLDERS)
 def test_pure_folders_import_no_torch_ray_or_hugging_face(folder):
+    modules = sorted((ROOT / folder).rglob("*.py"))
+    assert modules, f"ray_fsdp_backend/{folder}/ holds no module"
     offenders = {
         str(path.relative_to(ROOT)): sorted(_imported_roots(path) & HEAVY)
-        for path in sorted((ROOT / folder).rglob("*.py"))
+        for path in modules
         if _imported_roots(path) & HEAVY
     }
     assert offenders == {}, offenders
