@@ -64,7 +64,7 @@ def run_train(example: str, name: str, sets: list[str] = ()) -> str:
     with tempfile.TemporaryDirectory() as storage:
         sets = [*sets, f"run.storage_path={storage}", f"run.name={name}"]
         out = subprocess.run(
-            [sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", example,
+            [sys.executable, "-m", "ray_fsdp_backend.cli", "train", example,
              *[arg for item in sets for arg in ("--set", item)]],
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip

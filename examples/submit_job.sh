@@ -10,7 +10,7 @@
 # RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, exactly as for the `ray` CLI.
 #
 # The repository is uploaded as the job's working directory, so the job runs
-# this checkout's code (`python -m ray_fsdp_backend.cli.main` is `ray-fsdp`
+# this checkout's code (`python -m ray_fsdp_backend.cli` is `ray-fsdp`
 # without needing the package installed on the cluster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +20,4 @@ export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 exec ray job submit \
     --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" \
     --working-dir . \
-    -- python -m ray_fsdp_backend.cli.main train "$config" "$@"
+    -- python -m ray_fsdp_backend.cli train "$config" "$@"

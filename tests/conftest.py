@@ -16,7 +16,7 @@ In a new end-to-end module::
         result = TorchTrainer(...).fit()
 
     def test_command(ray_address, tmp_path):  # a driver in a subprocess joins it
-        subprocess.run([sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", ...],
+        subprocess.run([sys.executable, "-m", "ray_fsdp_backend.cli", "train", ...],
                        env=ray_env(ray_address), check=True)
 
 A module that needs a fresh or differently shaped cluster asks for neither and

@@ -30,7 +30,7 @@ def _cli(*args: str, **kwargs) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
-        [sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", *args],
+        [sys.executable, "-m", "ray_fsdp_backend.cli", "train", *args],
         cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs,
     )  # fmt: skip
 

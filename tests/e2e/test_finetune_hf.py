@@ -61,7 +61,7 @@ def _train_example(
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [
-            sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", f"examples/{example}",
+            sys.executable, "-m", "ray_fsdp_backend.cli", "train", f"examples/{example}",
             "--set", f"model.pretrained={pretrained}", "--set", f"model.export={export}",
             "--set", f"run.storage_path={tmp_path}", "--set", f"run.name={name}",
             *[arg for s in sets for arg in ("--set", s)],

@@ -39,7 +39,7 @@ def _train(tmp_path: Path, address: str, name: str) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     sets = [*SETS, *RAY_SETS, f"run.storage_path={tmp_path}", f"run.name={name}"]
     out = subprocess.run(
-        [sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", str(EXAMPLE),
+        [sys.executable, "-m", "ray_fsdp_backend.cli", "train", str(EXAMPLE),
          *[arg for s in sets for arg in ("--set", s)]],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip

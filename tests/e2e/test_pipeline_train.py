@@ -78,7 +78,7 @@ def test_pipeline_example_matches_pp1_and_exports(tmp_path, ray_address):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     run_sets = [*sets, f"model.export={export}", f"run.storage_path={tmp_path}", "run.name=pp"]
     out = subprocess.run(
-        [sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", str(EXAMPLE),
+        [sys.executable, "-m", "ray_fsdp_backend.cli", "train", str(EXAMPLE),
          *[arg for s in run_sets for arg in ("--set", s)]],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip

@@ -36,7 +36,7 @@ def test_quickstart_trains_and_lowers_the_loss(tmp_path, ray_local):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [
-            sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", "examples/cpu_tiny.yaml",
+            sys.executable, "-m", "ray_fsdp_backend.cli", "train", "examples/cpu_tiny.yaml",
             "--set", "train.steps=40", "--set", "train.log_every=10",
             "--set", f"run.storage_path={tmp_path}", "--set", "run.name=quick",
             "--set", f"logging.tensorboard={tmp_path / 'tb'}",

@@ -88,7 +88,7 @@ def test_sft_chat_yaml_from_s3_parquet_to_a_model_that_answers(s3_server, tmp_pa
     export = tmp_path / "export"
     out = subprocess.run(
         [
-            sys.executable, "-m", "ray_fsdp_backend.cli.main", "train", "examples/sft_chat.yaml",
+            sys.executable, "-m", "ray_fsdp_backend.cli", "train", "examples/sft_chat.yaml",
             "--set", f"model.pretrained={pretrained}", "--set", f"model.export={export}",
             "--set", f"data.path={data['train']}", "--set", f"data.eval_path={data['eval']}",
             "--set", f"run.storage_path={tmp_path}", "--set", "run.name=sft",
