@@ -171,17 +171,17 @@ def _smaller_loss(tokens: int, vocab: int, dim: int, chunk: int, chunked: bool, 
             f"  chunked is smaller: one {chunk:,}-token chunk of logits instead of all "
             f"{tokens:,} tokens' (its fp32 head-gradient sum costs less than the rest)"
         )
+
+    def pays(t: int) -> bool:
+        chunked = estimate_loss_memory(t, vocab, dim, chunk=chunk, **kwargs)
+        return chunked < estimate_loss_memory(t, vocab, dim, chunk=0, **kwargs)
+
     low, high = tokens, max(2 * tokens, 2 * chunk)
-    while estimate_loss_memory(high, vocab, dim, chunk=chunk, **kwargs) >= estimate_loss_memory(
-        high, vocab, dim, chunk=0, **kwargs
-    ):
+    while not pays(high):  # ends: past one chunk, the logits grow faster than 4 B a token
         low, high = high, 2 * high
     while high - low > 1:  # the smallest token count at which chunking is smaller
         mid = (low + high) // 2
-        pays = estimate_loss_memory(mid, vocab, dim, chunk=chunk, **kwargs) < estimate_loss_memory(
-            mid, vocab, dim, chunk=0, **kwargs
-        )
-        low, high = (low, mid) if pays else (mid, high)
+        low, high = (low, mid) if pays(mid) else (mid, high)
     grad = format_bytes(vocab * dim * 4 // kwargs["tp"])
     return (
         f"  full logits are smaller at {tokens:,} tokens: the chunked loss adds an fp32 sum of "

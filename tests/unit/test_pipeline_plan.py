@@ -286,3 +286,30 @@ def test_the_trainer_refuses_lora_under_pipeline_stages(tmp_path):
     )
     errors = [e for e in check_spec(doc) if "pipeline_parallel_size=2" in e]
     assert len(errors) == 1 and "model.lora" in errors[0], errors
+
+
+def test_the_loss_line_says_which_is_smaller_and_why():
+    """Issue 55: at short micro-batches the chunked loss (one chunk of logits
+    and an fp32 sum of the head's gradient) is above the full logits; the
+    plan says so and from how many tokens chunking is smaller."""
+    import re
+
+    from ray_fsdp_backend.cli.plan_report import format_loss_memory
+    from ray_fsdp_backend.planning.memory import estimate_loss_memory
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
+
+    doc = apply_overrides(load_yaml("examples/cpu_tiny.yaml"), ["distributed.use_fsdp=true"])
+    spec = build_spec(doc, torch_config=False)
+    short = format_loss_memory(spec, 1, 1, 2)  # 2 rows x 128 tokens: inside one chunk
+    assert "full logits are smaller at 256 tokens" in short[-1], short
+    assert "fp32 sum of the head's gradient" in short[-1]
+    start = int(re.search(r"from about ([\d,]+) tokens", short[-1]).group(1).replace(",", ""))
+    model, kwargs = spec.model, dict(tp=1, value_bytes=4, loss_parallel=False)  # fp32
+
+    def pays(t):
+        chunked = estimate_loss_memory(t, model.vocab_size, model.dim, chunk=1024, **kwargs)
+        return chunked < estimate_loss_memory(t, model.vocab_size, model.dim, chunk=0, **kwargs)
+
+    assert pays(start) and not pays(start - 1) and start > 1024
+    long = format_loss_memory(spec, 1, 1, 64)  # 8,192 tokens
+    assert long[-1].startswith("  chunked is smaller: one 1,024-token chunk"), long
