@@ -267,7 +267,7 @@ def format_pipeline_traffic(
         cross = pipeline_cross_node(c, rank, params)
         worst = max(worst, cross, key=lambda x: x.total)
         named = (
-            f"stage {rank}" if c.virtual == 1 else f"rank {rank} (stages {[p.stage for p in held]})"
+            f"stage {rank}" if c.virtual == 1 else f"rank {rank}, stages {[p.stage for p in held]}"
         )
         lines.append(
             f"  {named} ({_stage_label(held)}; {format_count(params, 1)} parameters): "
