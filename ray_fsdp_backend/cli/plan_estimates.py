@@ -52,6 +52,10 @@ def format_memory(spec: RunSpec, strategy, shard_size: int, tp: int = 1) -> list
         f"model:    {format_count(size.num_params, 1)} parameters ({model.n_layers} blocks of "
         f"{format_count(model.block_params(), 2)}), optimizer {spec.train.optimizer}",
         *_frozen_lines(model, size, shard_size * tp),
+    ]
+    if cfg.pipeline_parallel_size > 1:  # a rank holds its stage: the stage lines above
+        return [*lines, "per-GPU memory: the pipeline stages above (a rank holds its stage's)"]
+    lines += [
         f"per-GPU memory, model state only (activations below){split}:",
         f"  parameters  {format_bytes(est.params):>10}",
         f"  gradients   {format_bytes(est.grads):>10}",
@@ -101,7 +105,7 @@ def format_activations(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
     pretrained model's from its ``config.json`` (width, heads, vocabulary)."""
     model, cfg = spec.model, spec.distributed
     shape = model.activation_shape(micro_batch)
-    if shape is None:
+    if shape is None or cfg.pipeline_parallel_size > 1:  # PP: each stage's own, above
         return []
     value_bytes = 2 if cfg.use_mixed_precision else 4
     kwargs = dict(
@@ -152,7 +156,38 @@ def format_loss_memory(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
     if pp > 1:
         in_use = ", in use: the last pipeline stage's"
     lines.append(f"  {format_bytes(full):>10}  full logits (train.loss_chunk_tokens: 0{in_use})")
+    if chunk > 0:
+        lines.append(_smaller_loss(tokens, vocab, dim, chunk, fused < full, kwargs))
     return lines
+
+
+def _smaller_loss(tokens: int, vocab: int, dim: int, chunk: int, chunked: bool, kwargs) -> str:
+    """Which of the two losses is smaller at ``tokens`` and why: the chunked
+    one holds one chunk's logits and an fp32 sum of the head's gradient
+    (``vocab x dim x 4``), which outweighs the logits it saves below about
+    ``chunk + 4 dim / (value_bytes + 8)`` tokens."""
+    if chunked:
+        return (
+            f"  chunked is smaller: one {chunk:,}-token chunk of logits instead of all "
+            f"{tokens:,} tokens' (its fp32 head-gradient sum costs less than the rest)"
+        )
+
+    def pays(t: int) -> bool:
+        chunked = estimate_loss_memory(t, vocab, dim, chunk=chunk, **kwargs)
+        return chunked < estimate_loss_memory(t, vocab, dim, chunk=0, **kwargs)
+
+    low, high = tokens, max(2 * tokens, 2 * chunk)
+    while not pays(high):  # ends: past one chunk, the logits grow faster than 4 B a token
+        low, high = high, 2 * high
+    while high - low > 1:  # the smallest token count at which chunking is smaller
+        mid = (low + high) // 2
+        low, high = (low, mid) if pays(mid) else (mid, high)
+    grad = format_bytes(vocab * dim * 4 // kwargs["tp"])
+    return (
+        f"  full logits are smaller at {tokens:,} tokens: the chunked loss adds an fp32 sum of "
+        f"the head's gradient ({grad}) and saves logits only beyond one chunk; it is smaller "
+        f"from about {high:,} tokens a micro-batch"
+    )
 
 
 def format_tp_traffic(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list[str]:

@@ -142,6 +142,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
             cfg.pipeline_microbatches,
             layout.groups("pp"),
             cfg.pipeline_virtual_stages,
+            cfg.pipeline_split,
         )
         from ray_fsdp_backend.planning.pipeline_plan import plan_lines
 
@@ -179,11 +180,20 @@ def format_batch(spec: RunSpec, dp_size: int, world: int) -> tuple[str, int]:
         f"accumulation step(s) x {dp_size} dp rank(s)"
     )
     if world > dp_size:
-        text += (
-            f" ({world // dp_size} tp x cp ranks share each row; "
-            "set train.global_batch_size to keep a batch across layouts)"
-        )
+        text += f" ({_row_sharing(spec.distributed)}; "
+        text += "set train.global_batch_size to keep a batch across layouts)"
     return text, train.micro_batch_size
+
+
+def _row_sharing(cfg) -> str:
+    """Why ranks outnumber dp ranks: the tp / cp ranks that share each row
+    (named only when > 1) and the pipeline stages each row runs through."""
+    sizes = {"tp": cfg.tensor_parallel_size, "cp": cfg.context_parallel_size}
+    shared = " x ".join(f"{axis} {n}" for axis, n in sizes.items() if n > 1)
+    parts = [f"{shared} ranks share each row"] if shared else []
+    if cfg.pipeline_parallel_size > 1:
+        parts.append(f"each row runs through all {cfg.pipeline_parallel_size} pipeline stages")
+    return "; ".join(parts)
 
 
 def shown_axes(layout) -> list[tuple[str, int]]:

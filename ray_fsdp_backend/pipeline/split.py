@@ -42,12 +42,13 @@ class StageLayers(nn.ModuleList):
 
 
 def split_for_stage(
-    model: nn.Module, stage: int, stages: int, split: list[int] | None = None
+    model: nn.Module, stage: int, stages: int, split: Sequence[int] | str | None = None
 ) -> nn.Module:
     """``model`` cut in place to stage ``stage`` of ``stages`` (layers by
-    :func:`~ray_fsdp_backend.planning.pipeline_layout.plan_stages`; ``split``: layer
-    counts per stage), its ``forward`` replaced by the stage's: token ids in
-    on the first stage, hidden states between stages, logits out of the last.
+    :func:`~ray_fsdp_backend.planning.pipeline_layout.plan_stages`; ``split``:
+    layer counts per stage, or None / ``"auto"``: balanced), its ``forward``
+    replaced by the stage's: token ids in on the first stage, hidden states
+    between stages, logits out of the last.
 
     Raises:
         ValueError: a model that is neither the built-in decoder nor a
@@ -72,7 +73,10 @@ def split_for_stage(
 
 
 def split_for_stages(
-    model: nn.Module, indices: Sequence[int], stages: int, split: list[int] | None = None
+    model: nn.Module,
+    indices: Sequence[int],
+    stages: int,
+    split: Sequence[int] | str | None = None,
 ) -> nn.Module:
     """``model`` cut in place to the union of stages ``indices`` of ``stages``
     (virtual stages: a rank holding several), under the original names, with

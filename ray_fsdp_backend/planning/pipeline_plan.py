@@ -1,14 +1,33 @@
-"""PURE: ``ray-fsdp plan``'s pipeline lines beyond the stages (issue 47): each
-stage's parameters and model state per rank, the activations it keeps in
-flight under the schedule, and the bytes a step moves across nodes with PP
-against FSDP and HSDP on the same cluster without PP (:mod:`.traffic`)."""
+"""PURE: ``ray-fsdp plan``'s pipeline lines beyond the stages: what one rank
+of each stage holds (:func:`stage_memory`), and the bytes a step moves across
+nodes with PP against FSDP and HSDP on the same cluster without PP
+(:mod:`.pipeline_traffic`).
+
+Under PP a rank holds more than its shard. The backend turns
+``reshard_after_forward`` off, and torch 2.13's ``PipelineStage`` runs every
+micro-batch's backward without gradient sync and without resharding
+(``backward_maybe_with_nosync``), reducing and resharding once after the last
+(``perform_reduce_grad``). So from the first forward to the last backward a
+rank holds its stage's parameters unsharded in the compute dtype and their
+gradients unsharded, accumulated in ``fsdp_reduce_dtype`` (FSDP2's
+``to_accumulated_grad_if_needed``), on top of its sharded fp32 parameters,
+gradients and AdamW moments, and the activations of its own layers for the
+micro-batches the schedule keeps in flight. ``tests/dist/test_pipeline_memory.py``
+measures the unsharded parameters and gradients a gloo pp rank holds against
+:func:`stage_memory`."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-from ray_fsdp_backend.planning.memory import format_bytes, format_count
+from ray_fsdp_backend.planning.memory import (
+    ActivationShape,
+    estimate_activations,
+    format_bytes,
+    format_count,
+)
 from ray_fsdp_backend.planning.pipeline_layout import StagePlan, plan_stages
 from ray_fsdp_backend.planning.pipeline_schedules import stage_indices
 from ray_fsdp_backend.planning.pipeline_traffic import CrossNode, cross_node_bytes, stage_volumes
@@ -35,6 +54,10 @@ class PipelineCluster:
     reshard_after_forward: bool = True  # the no-PP FSDP's
     micro_batch_size: int = 1  # the no-PP run's rows per forward
     virtual: int = 1  # pipeline_virtual_stages
+    split: Sequence[int] | str = "auto"  # pipeline_split
+    shard: int = 0  # ranks sharding a stage's state (dp_shard); 0: world / stages / tp
+    activation: ActivationShape | None = None  # one pipeline micro-batch, a layer per n_layers
+    checkpointing: bool = False
 
     @property
     def world(self) -> int:
@@ -47,6 +70,51 @@ class PipelineCluster:
     @property
     def reduce_bytes(self) -> int:
         return 4 if self.reduce_fp32 or not self.mixed_precision else 2
+
+    @property
+    def state_ranks(self) -> int:
+        """Ranks one stage's sharded state is split over: its tp x dp_shard."""
+        return self.tp * (self.shard or self.world // self.stages // self.tp)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one rank of a pipeline stage holds, by kind: ``params`` and
+    ``grads`` unsharded (compute and ``fsdp_reduce_dtype``) from the first
+    forward to the last backward, ``state`` sharded (fp32 parameters,
+    gradients and AdamW's moments), ``activations`` of the micro-batches in
+    flight."""
+
+    params: int
+    grads: int
+    state: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.state + self.activations
+
+
+def stage_memory(
+    params: int,
+    *,
+    tp: int = 1,
+    shard: int = 1,
+    value_bytes: int = 2,
+    reduce_bytes: int = 4,
+    activations: int = 0,
+) -> StageMemory:
+    """What a rank of a stage of ``params`` parameters holds: each tp rank
+    ``1 / tp`` of every matrix (norms counted as split), unsharded in
+    ``value_bytes`` with a gradient in ``reduce_bytes``; the fp32 + AdamW
+    state over ``tp x shard`` ranks."""
+    held = math.ceil(params / tp)
+    return StageMemory(
+        params=held * value_bytes,
+        grads=held * reduce_bytes,
+        state=math.ceil(params * ADAMW_STATE_BYTES / (tp * shard)),
+        activations=activations,
+    )
 
 
 def stage_params(plan: StagePlan, block: int, embedding: int, head: int) -> int:
@@ -141,26 +209,73 @@ def flat_cross_node(c: PipelineCluster, params: int, hybrid: bool) -> CrossNode:
     )
 
 
+def _stage_activations(c: PipelineCluster, layers: int, flight: float) -> int:
+    """Activations of ``layers`` of a stage for ``flight`` micro-batches
+    (flash attention: a GPU's; the logits are the loss line's)."""
+    if c.activation is None:
+        return 0
+    shape = replace(c.activation, n_layers=layers)
+    per_micro = estimate_activations(
+        shape,
+        tp=c.tp,
+        value_bytes=c.value_bytes,
+        attention_scores=False,
+        checkpointing=c.checkpointing,
+        sequence_parallel=False,  # refused under PP: stages exchange whole sequences
+        logits=False,
+    )
+    return int(per_micro * flight)
+
+
+def _stage_label(plans: list[StagePlan]) -> str:
+    ends = ["embedding"] * plans[0].first + ["norm, head"] * plans[-1].last
+    spans = ", ".join(f"{p.layers[0]}-{p.layers[-1]}" for p in plans)
+    return f"layers {spans}" + (f" + {', '.join(ends)}" if ends else "")
+
+
 def format_pipeline_traffic(
     c: PipelineCluster, n_layers: int, block: int, embedding: int, head: int
 ) -> list[str]:
-    """The per-stage lines and the cross-node comparison."""
-    lines = ["pipeline stages, per rank (model state fp32 + AdamW, over the stage's ranks):"]
+    """The per-stage memory lines (per GPU) and the cross-node comparison."""
+    dtype = {2: "bf16", 4: "fp32"}
+    rows = c.activation.micro_batch_size if c.activation else 0
+    tp = f", tp {c.tp}" if c.tp > 1 else ""
+    lines = [
+        f"pipeline stages, per GPU (one rank of each stage{tp}): parameters "
+        f"({dtype[c.value_bytes]}) and gradients ({dtype[c.reduce_bytes]}, fsdp_reduce_dtype) "
+        "unsharded from the first forward to the last backward; sharded state (fp32 "
+        f"parameters, gradients, AdamW moments over {c.state_ranks} ranks); activations of "
+        f"the stage's own layers for the micro-batches {c.schedule} keeps in flight "
+        f"({rows} row(s) x {c.seq_len} tokens each, flash attention"
+        f"{', checkpointed' if c.checkpointing else ''}):"
+    ]
     worst = CrossNode(0, 0, 0)
-    shard = c.world // c.stages
-    plans = plan_stages(n_layers, c.stages * c.virtual)
+    plans = plan_stages(n_layers, c.stages * c.virtual, c.split)
     for rank in range(c.stages):
-        held = stage_indices(rank, c.stages, c.virtual, c.schedule)
-        params = sum(stage_params(plans[s], block, embedding, head) for s in held)
+        held = [plans[s] for s in stage_indices(rank, c.stages, c.virtual, c.schedule)]
+        params = sum(stage_params(p, block, embedding, head) for p in held)
         flight = in_flight(c.schedule, rank, c.stages, c.microbatches, c.virtual)
-        named = f"stage {rank}" if c.virtual == 1 else f"rank {rank} (stages {list(held)})"
-        lines.append(
-            f"  {named}: {format_count(params, 1)} parameters, "
-            f"{format_bytes(params * ADAMW_STATE_BYTES // shard)} model state, "
-            f"activations of {flight:g} micro-batch(es) in flight"
+        layers = sum(len(p.layers) for p in held)
+        mem = stage_memory(
+            params,
+            tp=c.tp,
+            shard=c.state_ranks // c.tp,
+            value_bytes=c.value_bytes,
+            reduce_bytes=c.reduce_bytes,
+            activations=_stage_activations(c, layers, flight),
         )
         cross = pipeline_cross_node(c, rank, params)
         worst = max(worst, cross, key=lambda x: x.total)
+        named = (
+            f"stage {rank}" if c.virtual == 1 else f"rank {rank}, stages {[p.stage for p in held]}"
+        )
+        lines.append(
+            f"  {named} ({_stage_label(held)}; {format_count(params, 1)} parameters): "
+            f"{format_bytes(mem.total)} = parameters {format_bytes(mem.params)} + gradients "
+            f"{format_bytes(mem.grads)} + state {format_bytes(mem.state)} + activations "
+            f"{format_bytes(mem.activations)} ({flight:g} micro-batch(es)); "
+            f"{format_bytes(cross.total)} across nodes a step"
+        )
     total = n_layers * block + embedding + head
     fsdp, hsdp = flat_cross_node(c, total, False), flat_cross_node(c, total, True)
     lines += [
@@ -185,12 +300,14 @@ def plan_lines(spec, node_counts, layout) -> list[str]:
     dp = layout.size([a for a in layout.axis_names if a.startswith("dp")])
     rows = train.global_batch_size or train.micro_batch_size * train.grad_accum * dp
     embedding = model.vocab_size * model.dim
+    micro = cfg.pipeline_microbatches or cfg.pipeline_parallel_size
+    shape = model.activation_shape(max(1, rows // dp // micro))
     cluster = PipelineCluster(
         nodes=len(node_counts),
         ranks_per_node=node_counts[0],
         stages=cfg.pipeline_parallel_size,
         tp=layout.axis_size("tp") if "tp" in layout.axis_names else 1,
-        microbatches=cfg.pipeline_microbatches or cfg.pipeline_parallel_size,
+        microbatches=micro,
         schedule=cfg.pipeline_schedule,
         rows=rows,
         seq_len=model.seq_len,
@@ -200,6 +317,10 @@ def plan_lines(spec, node_counts, layout) -> list[str]:
         reshard_after_forward=cfg.sharding_strategy.reshard_after_forward,
         micro_batch_size=train.micro_batch_size,
         virtual=cfg.pipeline_virtual_stages,
+        split=cfg.pipeline_split,
+        shard=layout.axis_size("dp_shard"),
+        activation=shape,
+        checkpointing=cfg.use_gradient_checkpointing,
     )
     head = model.embedding_params() - embedding
     return format_pipeline_traffic(cluster, model.n_layers, model.block_params(), embedding, head)

@@ -166,7 +166,8 @@ class TrainContext:
 
             virtual, schedule = self.config.pipeline_virtual_stages, self.config.pipeline_schedule
             held = stage_indices(self.pp_rank, self.pp_size, virtual, schedule)
-            model = split_for_stages(model, held, self.pp_size * virtual)
+            split = self.config.pipeline_split
+            model = split_for_stages(model, held, self.pp_size * virtual, split)
         else:
             disable_hf_cache(model)
         return self.strategy.wrap(model, tp_plan=tp_plan)

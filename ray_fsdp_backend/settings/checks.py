@@ -80,11 +80,14 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pipeline_schedule": (str,),
     "pipeline_microbatches": (int, type(None)),
     "pipeline_virtual_stages": (int,),
+    "pipeline_split": (str, tuple),
 }
 
 
 def _type_names(types: tuple[type, ...]) -> str:
-    return " or ".join("None" if t is type(None) else t.__name__ for t in types)
+    # A tuple field (fsdp_block_classes, pipeline_split) is a list in YAML.
+    names = {type(None): "None", tuple: "list"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
 
 
 def check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
@@ -286,8 +289,35 @@ def _check_pipeline_parallel(cfg: Any) -> None:
             f"pipeline_virtual_stages={virtual!r} must be a positive int, and 1 without "
             f"pipeline parallelism (pipeline_parallel_size={pp})"
         )
+    _check_pipeline_split(cfg)
     if pp > 1:
         _check_pipeline_composition(cfg)
+
+
+def _check_pipeline_split(cfg: Any) -> None:
+    """``pipeline_split``: ``auto``, or one positive layer count per stage
+    (``pipeline_parallel_size x pipeline_virtual_stages``); that they sum to
+    the model's layers is checked where the model is known (``validate``,
+    ``plan``, the split)."""
+    split, pp = cfg.pipeline_split, cfg.pipeline_parallel_size
+    if isinstance(split, str):
+        if split != "auto":
+            raise ValueError(
+                f"pipeline_split={split!r} is not 'auto' or a list of layer counts, one per stage"
+            )
+        return
+    shown = list(split)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split):
+        raise ValueError(f"pipeline_split={shown}: every stage's layer count must be an int >= 1")
+    if pp == 1:
+        raise ValueError(f"pipeline_split={shown} needs pipeline_parallel_size > 1 (got 1)")
+    stages = pp * cfg.pipeline_virtual_stages
+    if len(split) != stages:
+        raise ValueError(
+            f"pipeline_split={shown} has {len(split)} entries; it needs one per pipeline stage: "
+            f"pipeline_parallel_size={pp} x pipeline_virtual_stages="
+            f"{cfg.pipeline_virtual_stages} = {stages}"
+        )
 
 
 def _check_pipeline_composition(cfg: Any) -> None:

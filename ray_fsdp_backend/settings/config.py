@@ -257,11 +257,23 @@ class FSDPSettings:
     it). None: the stage count. ``1f1b`` needs at least
     ``pipeline_parallel_size``; more shrinks the bubble."""
 
+    pipeline_split: str | tuple[int, ...] = "auto"
+    """Layers per pipeline stage, one count per stage
+    (``pipeline_parallel_size x pipeline_virtual_stages`` of them, in stage
+    order, summing to the model's layers), e.g. ``[7, 8, 8, 7]``. ``auto``:
+    balanced with the embedding and the head counted as a layer each (as
+    torchtitan), the extra layers on the last stages, which keep the fewest
+    micro-batches in flight under 1F1B
+    (:func:`~ray_fsdp_backend.planning.pipeline_layout.balanced_split`).
+    ``ray-fsdp plan`` prints the split and each stage's memory."""
+
     def __post_init__(self) -> None:
         self.fsdp_sharding_strategy = resolve_strategy(self.fsdp_sharding_strategy).value
         self.fsdp_block_classes = tuple(
             check_str_list("fsdp_block_classes", self.fsdp_block_classes)
         )
+        if isinstance(self.pipeline_split, list):
+            self.pipeline_split = tuple(self.pipeline_split)
         check_settings(self)
 
     # -- public helpers -------------------------------------------------
@@ -354,6 +366,8 @@ class FSDPSettings:
         """Every field, as ``from_dict`` accepts it back."""
         out = dataclasses.asdict(self)
         out["fsdp_block_classes"] = list(self.fsdp_block_classes)
+        if not isinstance(self.pipeline_split, str):
+            out["pipeline_split"] = list(self.pipeline_split)
         return out
 
 

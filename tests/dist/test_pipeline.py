@@ -1,8 +1,8 @@
 """Pipeline parallelism on real gloo ranks against one process (issue 47).
 
 One spawned job on 4 ranks, mesh ``pp 2 x dp_shard 2``: a tiny
-transformers Llama and the built-in decoder, each with 3 layers (stages of 2
-and 1 layers), under the 1F1B and GPipe schedules; Qwen2, Mistral, Gemma 3
+transformers Llama and the built-in decoder, each with 3 layers (stages of 1
+and 2 layers: the balanced split), under the 1F1B and GPipe schedules; Qwen2, Mistral, Gemma 3
 (scaled embedding, per-layer-type rotary, capped logits), Qwen2-MoE
 (experts and a shared expert in each layer) and Qwen3-MoE at ep 2 inside
 each stage; the decoder at ``pp 2 x tp 2``; and with 2 virtual stages per
@@ -74,7 +74,7 @@ CASES = {
     # Expert parallelism inside each stage: ep 2 over the stage's 2 dp ranks.
     "qwen3_moe ep2 packed 1f1b": ("qwen3_moe", "1f1b", 2, {"expert_parallel_size": 2}, True),
     # Two virtual stages per rank (4 stages over 2 ranks; 5 layers: stages of
-    # 2, 1, 1, 1), loop placement: rank 0 holds stages 0 and 2.
+    # 1, 1, 2, 1), loop placement: rank 0 holds stages 0 and 2.
     "llama interleaved_1f1b v2": ("llama", "interleaved_1f1b", 2, V2, False, 4),
     "decoder packed interleaved_1f1b v2": ("decoder", "interleaved_1f1b", 4, V2, True, 5),
     "llama interleaved_zero_bubble v2": ("llama", "interleaved_zero_bubble", 2, V2, False, 4),

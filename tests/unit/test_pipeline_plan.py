@@ -10,6 +10,7 @@ from ray_fsdp_backend.distributed.mesh import resolve_layout
 from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
 from ray_fsdp_backend.pipeline import bubble_fraction, plan_stages, resolve_microbatches
 from ray_fsdp_backend.pipeline.split import split_for_stage
+from ray_fsdp_backend.planning.pipeline_layout import balanced_split
 from ray_fsdp_backend.planning.topology import compute_topology_from_env, topology_from_node_counts
 from ray_fsdp_backend.settings.config import FSDPSettings
 
@@ -100,9 +101,19 @@ def test_unequal_stages_are_refused():
         )
 
 
-def test_even_split_earlier_stages_take_the_remainder():
+def test_balanced_split_counts_the_ends_as_layers_and_gives_the_extra_to_the_last_stages():
+    """The embedding and the head weigh a layer each (torchtitan's rule) and
+    the remainder goes to the last stages: 30 layers on 4 stages peak at 28
+    layer-micro-batches under 1F1B (stage r keeps 4 - r in flight), where the
+    old even split, remainder first (8, 8, 7, 7), peaked at 32."""
+    assert balanced_split(30, 4) == [7, 8, 8, 7]
+    assert max(n * (4 - r) for r, n in enumerate(balanced_split(30, 4))) == 28
+    assert balanced_split(80, 4) == [19, 20, 21, 20]  # loads 20, 20, 21, 21
+    assert balanced_split(7, 3) == [2, 3, 2] and balanced_split(3, 2) == [1, 2]
+    assert balanced_split(5, 4) == [1, 1, 2, 1] and balanced_split(3, 3) == [1, 1, 1]
     plans = plan_stages(7, 3)
-    assert [p.layers for p in plans] == [(0, 1, 2), (3, 4), (5, 6)]
+    assert [p.layers for p in plans] == [(0, 1), (2, 3, 4), (5, 6)]
+    assert plans == plan_stages(7, 3, "auto")
     assert plans[0].first and plans[2].last and not plans[1].first and not plans[1].last
     assert [p.layers for p in plan_stages(4, 2, [1, 3])] == [(0,), (1, 2, 3)]
 
@@ -135,8 +146,9 @@ def test_split_keeps_the_original_names_on_meta():
     first = {n for n, _ in split_for_stage(_decoder(), 0, 2).named_parameters()}
     last = {n for n, _ in split_for_stage(_decoder(), 1, 2).named_parameters()}
     assert first | last == whole and not first & last
-    assert "tok_embeddings.weight" in first and "layers.1.ffn_norm.weight" in first
-    assert "layers.2.attention.wq.weight" in last and "output.weight" in last
+    # balanced: stage 0 holds layer 0 and the embedding, stage 1 layers 1-2 and the head
+    assert "tok_embeddings.weight" in first and "layers.0.ffn_norm.weight" in first
+    assert "layers.1.attention.wq.weight" in last and "output.weight" in last
     assert "norm.weight" in last
 
 
@@ -165,8 +177,10 @@ def test_unsupported_family_is_refused_by_name():
 def test_plan_lines_name_stages_layers_and_bubble():
     from ray_fsdp_backend.planning.pipeline_layout import format_pipeline_plan
 
-    lines = format_pipeline_plan(2, 5, "1f1b", 8, ((0, 2), (1, 3)))
-    assert "0: layers 0-2 + embedding; 1: layers 3-4 + norm, head" in lines[0]
+    lines = format_pipeline_plan(2, 6, "1f1b", 8, ((0, 2), (1, 3)))
+    assert "0: layers 0-2 + embedding; 1: layers 3-5 + norm, head" in lines[0]
+    split = format_pipeline_plan(2, 6, "1f1b", 8, ((0, 2), (1, 3)), split=[2, 4])[0]
+    assert "0: layers 0-1 + embedding; 1: layers 2-5 + norm, head" in split
     assert "8 micro-batches: bubble 11.1%" in lines[0]
     assert lines[2:] == ["  [0, 2]", "  [1, 3]"]
 
@@ -200,7 +214,43 @@ PP_CASES = [
     (["model.tie_embeddings=false", "train.micro_batch_size=3"], "micro_batch_size x"),
     (["model.tie_embeddings=false", "model.n_layers=1"], "exceeds the model's 1 layers"),
     (["model.tie_embeddings=false"], None),
+    (["model.tie_embeddings=false", "distributed.pipeline_split=[1,3]"], None),
+    # the sum needs the model: checked on the driver, naming the key and the layer count
+    (
+        ["model.tie_embeddings=false", "distributed.pipeline_split=[1,2]"],
+        "distributed.pipeline_split=[1, 2] must give each of the 2 stages at least one layer "
+        "and sum to the model's 4 layers",
+    ),
+    (
+        ["model.tie_embeddings=false", "distributed.pipeline_split=[1,1,1]"],
+        "pipeline_split=[1, 1, 1] has 3 entries; it needs one per pipeline stage",
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("split", "words"),
+    [
+        ("even", "pipeline_split='even' is not 'auto' or a list of layer counts"),
+        ([2, 0], "pipeline_split=[2, 0]: every stage's layer count must be an int >= 1"),
+        ([2, True], "every stage's layer count must be an int >= 1"),
+        (3, "pipeline_split=3 has type int; expected str or list"),
+        ([1, 2, 3], "has 3 entries; it needs one per pipeline stage: pipeline_parallel_size=2"),
+    ],
+)
+def test_pipeline_split_is_checked_statically(split, words):
+    with pytest.raises(ValueError) as info:
+        FSDPSettings(use_fsdp=True, pipeline_parallel_size=2, pipeline_split=split)
+    assert words in str(info.value)
+
+
+def test_pipeline_split_needs_stages_and_round_trips():
+    with pytest.raises(ValueError, match=r"pipeline_split=\[2\] needs pipeline_parallel_size > 1"):
+        FSDPSettings(pipeline_split=[2])
+    cfg = FSDPSettings(use_fsdp=True, pipeline_parallel_size=2, pipeline_split=[1, 3])
+    assert cfg.pipeline_split == (1, 3) and FSDPSettings().pipeline_split == "auto"
+    assert FSDPSettings.from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict()["pipeline_split"] == [1, 3]
 
 
 @pytest.mark.parametrize(("overrides", "message"), PP_CASES)
@@ -236,3 +286,30 @@ def test_the_trainer_refuses_lora_under_pipeline_stages(tmp_path):
     )
     errors = [e for e in check_spec(doc) if "pipeline_parallel_size=2" in e]
     assert len(errors) == 1 and "model.lora" in errors[0], errors
+
+
+def test_the_loss_line_says_which_is_smaller_and_why():
+    """Issue 55: at short micro-batches the chunked loss (one chunk of logits
+    and an fp32 sum of the head's gradient) is above the full logits; the
+    plan says so and from how many tokens chunking is smaller."""
+    import re
+
+    from ray_fsdp_backend.cli.plan_report import format_loss_memory
+    from ray_fsdp_backend.planning.memory import estimate_loss_memory
+    from ray_fsdp_backend.trainer.schema.spec import apply_overrides, build_spec, load_yaml
+
+    doc = apply_overrides(load_yaml("examples/cpu_tiny.yaml"), ["distributed.use_fsdp=true"])
+    spec = build_spec(doc, torch_config=False)
+    short = format_loss_memory(spec, 1, 1, 2)  # 2 rows x 128 tokens: inside one chunk
+    assert "full logits are smaller at 256 tokens" in short[-1], short
+    assert "fp32 sum of the head's gradient" in short[-1]
+    start = int(re.search(r"from about ([\d,]+) tokens", short[-1]).group(1).replace(",", ""))
+    model, kwargs = spec.model, dict(tp=1, value_bytes=4, loss_parallel=False)  # fp32
+
+    def pays(t):
+        chunked = estimate_loss_memory(t, model.vocab_size, model.dim, chunk=1024, **kwargs)
+        return chunked < estimate_loss_memory(t, model.vocab_size, model.dim, chunk=0, **kwargs)
+
+    assert pays(start) and not pays(start - 1) and start > 1024
+    long = format_loss_memory(spec, 1, 1, 64)  # 8,192 tokens
+    assert long[-1].startswith("  chunked is smaller: one 1,024-token chunk"), long

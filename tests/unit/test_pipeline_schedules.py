@@ -95,7 +95,7 @@ def test_in_flight_per_schedule():
 
 def test_plan_names_each_ranks_stages():
     lines = format_pipeline_plan(2, 5, "zbv_zero_bubble", 4, [(0, 2)], virtual=2)
-    assert "4 stages (0: layers 0-1 + embedding; 1: layers 2-2" in lines[0]
+    assert "4 stages (0: layers 0-0 + embedding; 1: layers 1-1; 2: layers 2-3;" in lines[0]
     assert "{0: [0, 3], 1: [1, 2]}" in lines[0] and "bubble 0.0%" in lines[0]
 
 
@@ -108,7 +108,8 @@ def _decoder(n_layers=5) -> Transformer:
 
 
 def test_a_rank_holds_the_union_of_its_stages_under_original_names():
-    model = split_for_stages(_decoder(), (0, 3), 4)  # V shape: first and last stage
+    # V shape: first and last stage, an explicit split (balanced would be 1, 1, 2, 1)
+    model = split_for_stages(_decoder(), (0, 3), 4, [2, 1, 1, 1])
     names = {n for n, _ in model.named_parameters()}
     assert "tok_embeddings.weight" in names and "output.weight" in names
     assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {"0", "1", "4"}
@@ -118,7 +119,7 @@ def test_a_rank_holds_the_union_of_its_stages_under_original_names():
     assert first.layers._modules["1"] is model.layers._modules["1"]
     assert last.output is model.output and first.tok_embeddings is model.tok_embeddings
     assert set(dict(first.named_parameters())) | set(dict(last.named_parameters())) == names
-    assert pipeline_roots(split_for_stage(_decoder(), 1, 4)) != [first]
+    assert pipeline_roots(split_for_stage(_decoder(), 1, 4, [2, 1, 1, 1])) != [first]
     with pytest.raises(RuntimeError, match="ctx.pipeline_step"):
         model(torch.zeros(1, 8, dtype=torch.long))
 

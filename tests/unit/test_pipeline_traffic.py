@@ -18,6 +18,7 @@ from ray_fsdp_backend.planning.pipeline_plan import (
     in_flight,
     pipeline_cross_node,
     plan_lines,
+    stage_memory,
     stage_params,
 )
 from ray_fsdp_backend.planning.pipeline_traffic import (
@@ -91,29 +92,54 @@ def test_in_flight_gpipe_keeps_every_micro_batch_1f1b_at_most_the_stages_left():
 def test_format_names_each_stage_and_the_three_layouts():
     lines = format_pipeline_traffic(_cluster(), 80, 855_654_400, 10**9, 10**9)
     text = "\n".join(lines)
-    assert "stage 0: 18,113.1M parameters" in text and "4 micro-batch(es) in flight" in text
+    # balanced: 19, 20, 21, 20 layers; the embedding on stage 0
+    assert "stage 0 (layers 0-18 + embedding; 17,257.4M parameters)" in text
+    assert "(4 micro-batch(es))" in text and "(1 micro-batch(es))" in text
+    assert "stage 3 (layers 60-79 + norm, head; 18,113.1M parameters)" in text
     assert "across nodes per rank per step (4 nodes of 8)" in text
     assert "FSDP over all 32 ranks, no PP" in text and "HSDP (shard in a node)" in text
+    assert "tp " not in text  # no tp wording without tp
+
+
+def test_a_pp_rank_holds_its_stage_unsharded_the_70b_stage_needs_135_gib():
+    """Issue 55: the docs' 70B stage 3 (18,163.8M parameters, dp_shard 8, bf16
+    compute, fp32 reduction) holds 33.8 GiB of bf16 parameters and 67.7 GiB of
+    fp32 gradients unsharded beside its 33.8 GiB sharded state: 135.3 GiB
+    before activations, where the old plan printed 33.8 GiB."""
+    block, embedding = 855_654_400, 128_256 * 8192
+    plan = plan_stages(80, 4)[3]
+    params = stage_params(plan, block, embedding, embedding + 8192)
+    assert params == 20 * block + embedding + 8192
+    mem = stage_memory(params, shard=8, value_bytes=2, reduce_bytes=4)
+    gib = 2**30
+    assert (mem.params, mem.grads, mem.state) == (2 * params, 4 * params, 2 * params)
+    assert round(mem.total / gib, 1) == 135.3
+    # tp splits what a rank holds unsharded, and the state over tp x dp_shard
+    half = stage_memory(100, tp=2, shard=4, value_bytes=4, reduce_bytes=4)
+    assert (half.params, half.grads, half.state) == (200, 200, 200)
 
 
 def test_plan_lines_read_the_spec_and_skip_unequal_nodes():
     model = types.SimpleNamespace(
         vocab_size=100, dim=8, seq_len=16, n_layers=4,
         block_params=lambda: 500, embedding_params=lambda: 1608,
+        activation_shape=lambda rows: None,
     )  # fmt: skip
     distributed = types.SimpleNamespace(
         pipeline_parallel_size=2, pipeline_microbatches=None, pipeline_schedule="gpipe",
-        pipeline_virtual_stages=1,
+        pipeline_virtual_stages=1, pipeline_split=[1, 3], use_gradient_checkpointing=False,
         use_mixed_precision=False, fsdp_reduce_dtype="fp32",
         sharding_strategy=types.SimpleNamespace(reshard_after_forward=True),
     )  # fmt: skip
     train = types.SimpleNamespace(global_batch_size=8, micro_batch_size=1, grad_accum=1)
     spec = types.SimpleNamespace(model=model, distributed=distributed, train=train)
     layout = types.SimpleNamespace(
-        axis_names=("pp", "dp_shard"), size=lambda axes: 2, axis_size=lambda axis: 1
+        axis_names=("pp", "dp_shard"), size=lambda axes: 2, axis_size=lambda axis: 2
     )
     lines = plan_lines(spec, [2, 2], layout)
-    assert "stage 1: 1,808 parameters" in lines[2] and "2 micro-batch(es)" in lines[2]
+    # pipeline_split [1, 3]: stage 1 holds 3 blocks and the head
+    assert "stage 1 (layers 1-3 + norm, head; 2,308 parameters)" in lines[2]
+    assert "(2 micro-batch(es))" in lines[2]
     assert plan_lines(spec, [3, 1], layout) == []
 
 

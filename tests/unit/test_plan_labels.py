@@ -31,7 +31,7 @@ def test_tp_without_more_workers_says_the_batch_it_trains(capsys):
     tp = _plan(capsys, "cpu_tiny.yaml", 1, 2, "distributed.tensor_parallel_size=2")
     assert "batch:    global batch 16 = micro-batch 8 x 1 accumulation step(s) x 2 dp" in plain
     assert "batch:    global batch 8 = micro-batch 8 x 1 accumulation step(s) x 1 dp" in tp
-    assert "2 tp x cp ranks share each row; set train.global_batch_size" in tp
+    assert "(tp 2 ranks share each row; set train.global_batch_size" in tp
 
 
 def test_elastic_activations_use_the_printed_micro_batch(capsys):

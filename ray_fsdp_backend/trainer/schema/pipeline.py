@@ -10,8 +10,9 @@ from __future__ import annotations
 def pipeline_errors(dist, model, train, data) -> list[str]:
     """What ``ray-fsdp train`` cannot run under ``pipeline_parallel_size > 1``,
     found on the driver: the model the split refuses (its family, tied
-    embeddings, fewer layers than P x V stages: the split itself runs on a meta
-    model), LoRA adapters, and step (or held-out) rows that do not cut into
+    embeddings, fewer layers than P x V stages, a ``pipeline_split`` that does
+    not sum to its layers: the split itself runs on a meta model), LoRA
+    adapters, and step (or held-out) rows that do not cut into
     ``pipeline_microbatches`` equal micro-batches."""
     if dist is None or dist.pipeline_parallel_size == 1 or model is None:
         return []
@@ -21,7 +22,7 @@ def pipeline_errors(dist, model, train, data) -> list[str]:
     key = f"distributed.pipeline_parallel_size={pp}"
     if getattr(model, "lora", None) is not None:
         return [f"{key} with model.lora: LoRA adapters are not split into pipeline stages"]
-    error = _split_error(model, pp * dist.pipeline_virtual_stages)
+    error = _split_error(model, pp * dist.pipeline_virtual_stages, dist.pipeline_split)
     if error:
         return [f"{key}: {error}"]
     micro = resolve_microbatches(dist.pipeline_microbatches, pp)
@@ -40,8 +41,9 @@ def pipeline_errors(dist, model, train, data) -> list[str]:
     ]
 
 
-def _split_error(model, stages: int) -> str | None:
-    """Why the split refuses ``model`` cut into ``stages`` stages, or None: by
+def _split_error(model, stages: int, split="auto") -> str | None:
+    """Why the split refuses ``model`` cut into ``stages`` stages (layers per
+    stage by ``split``, ``distributed.pipeline_split``), or None: by
     the split's own rules (no torch) for the built-in decoder from its config
     and for a local checkpoint of a family :mod:`~ray_fsdp_backend.hf.shapes`
     reads from its ``config.json``; any other pretrained model by splitting it
@@ -54,12 +56,12 @@ def _split_error(model, stages: int) -> str | None:
             from ray_fsdp_backend.hf.models import build_causal_lm  # on the meta device
             from ray_fsdp_backend.pipeline.split import split_for_stage
 
-            split_for_stage(build_causal_lm(model.pretrained), 0, stages)
+            split_for_stage(build_causal_lm(model.pretrained), 0, stages, split)
             return None
         model_class, tied, n_layers = rules
         if tied:
             return tied_embeddings_error(model_class)
-        plan_stages(n_layers, stages)
+        plan_stages(n_layers, stages, split)
     except ValueError as error:
         return str(error)
     return None
