@@ -46,8 +46,10 @@ def test_stages_chain_to_the_whole_models_logits(family, packed):
         first, last = (split_for_stage(copy.deepcopy(model), s, 2) for s in range(2))
         got = last(first(ids, position_ids=positions), position_ids=positions)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    assert first.model.layers._modules.keys() == {"0", "1"} and first.lm_head is None
-    assert last.model.embed_tokens is None and last.model.layers._modules.keys() == {"2"}
+    # The balanced split (the embedding and the head a layer each): 3 layers
+    # on 2 stages are 1 and 2, the extra layer on the last stage.
+    assert first.model.layers._modules.keys() == {"0"} and first.lm_head is None
+    assert last.model.embed_tokens is None and last.model.layers._modules.keys() == {"1", "2"}
 
 
 def _meta(name: str, **overrides):
