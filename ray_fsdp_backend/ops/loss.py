@@ -76,7 +76,10 @@ def linear_cross_entropy(
         labels: ``[...]`` target token per row of ``hidden``, already
             shifted; ``ignore_index`` rows count for nothing.
         ignore_index: label value that takes no loss.
-        reduction: ``sum`` (over valid tokens) or ``mean`` (over valid tokens).
+        reduction: ``sum`` (over valid tokens) or ``mean`` (over valid tokens);
+            a ``mean`` over no valid token is 0 with zero gradients (a
+            prompt-only micro-batch adds nothing to the step; ``F.cross_entropy``
+            gives the same zero gradients but a NaN value).
         chunk_size: tokens per chunk (None: :data:`DEFAULT_CHUNK_TOKENS`).
         softcap: Gemma 2's final logit soft-cap ``c * tanh(logits / c)``.
         compile: run each chunk's forward and backward math through
@@ -89,6 +92,10 @@ def linear_cross_entropy(
     Raises:
         ValueError: a reduction not in ``sum``/``mean``, a chunk size below 1,
             or mismatched shapes.
+        RuntimeError: a label outside ``[0, vocab)`` that is not
+            ``ignore_index`` (``F.cross_entropy`` raises too). The check is
+            ``torch._assert_async``: on CPU it raises here; on CUDA it is a
+            device-side assert, with no host sync.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
@@ -100,6 +107,7 @@ def linear_cross_entropy(
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: labels must be "
             "hidden's shape without its last dim (one target per row, already shifted)"
         )
+    _assert_labels_in_vocabulary(labels, weight.shape[0], ignore_index)
     hidden, weight, group, vocab_start = _local_operands(hidden, weight)
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden dim {hidden.shape[-1]} != weight dim {weight.shape[-1]}")
@@ -116,7 +124,19 @@ def linear_cross_entropy(
     )
     if reduction == "sum":
         return total
-    return total / (labels != ignore_index).sum()
+    # At least 1: no valid token gives 0 / 1 (zero gradients), not 0 / 0 (NaN).
+    return total / (labels != ignore_index).sum().clamp_min(1)
+
+
+def _assert_labels_in_vocabulary(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label is a word of the (whole) vocabulary or ``ignore_index``:
+    a label past it would otherwise be scored against no logit at all."""
+    in_range = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)
+    torch._assert_async(
+        in_range.all(),
+        f"labels must lie in [0, {vocab}) (the head's vocabulary) or equal "
+        f"ignore_index={ignore_index}",
+    )
 
 
 def _local_operands(hidden: torch.Tensor, weight: torch.Tensor):
