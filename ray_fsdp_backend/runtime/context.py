@@ -189,9 +189,10 @@ class TrainContext:
 
     def seed_step(self, seed: int, step: int) -> None:
         """Seed this rank's generators for ``step`` as ``ray-fsdp train`` does
-        every step: from ``seed``, ``step`` and this rank's dp and cp
-        coordinates, so ranks holding different tokens draw different dropout
-        masks even when every rank was seeded alike, the ranks of a tp group
+        every step: from ``seed``, ``step`` and this rank's dp, cp and pp
+        coordinates, so ranks holding different tokens (or, under pp,
+        different layers) draw different dropout masks even when every rank
+        was seeded alike, the ranks of a tp group
         draw alike (attention heads a tp rank holds alone draw apart), and a
         resumed run draws at ``step`` what an uninterrupted one does. Call it
         at the start of each step, after the model is built (its
