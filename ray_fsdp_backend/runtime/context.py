@@ -128,8 +128,9 @@ class TrainContext:
         :meth:`wrap` returned it), ``pipeline_schedule`` over
         ``pipeline_microbatches``; returns the step's loss on every rank
         (``loss_fn(logits, shifted_labels)``, a token sum, default
-        cross-entropy, over :meth:`global_token_count`). Then clip and step as
-        usual. See :func:`ray_fsdp_backend.pipeline.step.pipeline_step`.
+        cross-entropy, over :meth:`global_token_count`). Then clip and step;
+        several calls before one step add their means (docs/parallelism.md).
+        See :func:`ray_fsdp_backend.pipeline.step.pipeline_step`.
 
         Raises:
             ValueError: without ``pipeline_parallel_size > 1``, or rows not

@@ -163,7 +163,8 @@ def _logits(model, ids, positions=None):
 def _reference(model, packed=False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch: the mean over every valid target."""
     batch, opt = _batch(packed), torch.optim.AdamW(model.parameters(), lr=1e-2)
-    labels = shift_labels(batch["labels"])
+    # Per document: a packed document's last token predicts nothing.
+    labels = shift_labels(batch["labels"], batch.get("position_ids"))
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
@@ -181,7 +182,7 @@ def _held_out(model, packed: bool) -> float:
     batch = _batch(packed)
     with torch.no_grad():
         logits = _logits(model, batch["input_ids"], batch.get("position_ids"))
-        labels = shift_labels(batch["labels"]).flatten()
+        labels = shift_labels(batch["labels"], batch.get("position_ids")).flatten()
         return float(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"))
 
 
