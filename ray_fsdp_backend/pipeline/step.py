@@ -55,7 +55,7 @@ class _Pipeline:
         from ray_fsdp_backend.planning.pipeline_schedules import stage_indices
 
         self.micro = micro
-        self.divisor = torch.ones(())
+        self.divisor = torch.ones((), device=ctx.device)
         self.loss_fn: LossFn = token_sum_cross_entropy
         group = ctx.mesh["pp"].get_group()
         self.group, config = group, ctx.config
