@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ray_fsdp_backend.planning.memory import DEFAULT_CHUNK_TOKENS
+from ray_fsdp_backend.planning.topology import TP_AXIS
 
 REDUCTIONS = ("sum", "mean")
 
@@ -72,7 +73,9 @@ def linear_cross_entropy(
     Args:
         hidden: ``[..., dim]`` final hidden states (after the last norm).
         weight: ``[vocab, dim]`` output head weight (tied or not); a
-            ``Shard(0)`` DTensor over a tp mesh computes vocabulary-parallel.
+            ``Shard(0)`` DTensor over a 1-D ``tp`` mesh computes
+            vocabulary-parallel; a DTensor split over any other mesh axis (an
+            FSDP-sharded head) is refused.
         labels: ``[...]`` target token per row of ``hidden``, already
             shifted; ``ignore_index`` rows count for nothing.
         ignore_index: label value that takes no loss.
@@ -91,7 +94,7 @@ def linear_cross_entropy(
 
     Raises:
         ValueError: a reduction not in ``sum``/``mean``, a chunk size below 1,
-            or mismatched shapes.
+            mismatched shapes, or a weight split over a mesh axis not ``tp``.
         RuntimeError: a label outside ``[0, vocab)`` that is not
             ``ignore_index`` (``F.cross_entropy`` raises too). The check is
             ``torch._assert_async``: on CPU it raises here; on CUDA it is a
@@ -149,6 +152,7 @@ def _local_operands(hidden: torch.Tensor, weight: torch.Tensor):
         hidden = hidden.redistribute(hidden.device_mesh, [Replicate()]).to_local()
     if not isinstance(weight, DTensor):
         return hidden, weight, None, 0
+    _refuse_split_outside_tp(weight)
     mesh, placements = weight.device_mesh, weight.placements
     if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
         return hidden, weight.full_tensor(), None, 0
@@ -156,6 +160,23 @@ def _local_operands(hidden: torch.Tensor, weight: torch.Tensor):
     if vocab % size:
         raise ValueError(f"vocabulary {vocab} is not a multiple of the tp size {size}")
     return hidden, weight.to_local(), mesh.get_group(), rank * (vocab // size)
+
+
+def _refuse_split_outside_tp(weight: DTensor) -> None:
+    """A weight split over a mesh axis other than ``tp`` is refused: an
+    FSDP-sharded head (its unit resharded after forward) is ``Shard(0)`` on
+    a 1-D dp mesh too, and taken for a vocabulary split it gave every rank a
+    wrong loss; gathered here, its gradient would bypass FSDP's reduction."""
+    names = weight.device_mesh.mesh_dim_names or (None,) * weight.device_mesh.ndim
+    split = [n for n, p in zip(names, weight.placements, strict=True) if not p.is_replicate()]
+    if any(name != TP_AXIS for name in split):
+        raise ValueError(
+            f"weight is a DTensor split over mesh axes {split} "
+            f"(placements {tuple(weight.placements)}): linear_cross_entropy splits the "
+            f"vocabulary only over a 1-D {TP_AXIS!r} mesh. An FSDP-sharded head must be "
+            "gathered when the loss runs: keep its unit gathered after forward "
+            "(set_reshard_after_forward(False)), as the trainer does"
+        )
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
