@@ -167,8 +167,13 @@ def _refuse_split_outside_tp(weight: DTensor) -> None:
     FSDP-sharded head (its unit resharded after forward) is ``Shard(0)`` on
     a 1-D dp mesh too, and taken for a vocabulary split it gave every rank a
     wrong loss; gathered here, its gradient would bypass FSDP's reduction."""
-    names = weight.device_mesh.mesh_dim_names or (None,) * weight.device_mesh.ndim
-    split = [n for n, p in zip(names, weight.placements, strict=True) if not p.is_replicate()]
+    mesh = weight.device_mesh
+    names = mesh.mesh_dim_names or (None,) * mesh.ndim
+    split = [
+        name
+        for axis, (name, placement) in enumerate(zip(names, weight.placements, strict=True))
+        if not placement.is_replicate() and mesh.size(axis) > 1  # a 1-rank axis splits nothing
+    ]
     if any(name != TP_AXIS for name in split):
         raise ValueError(
             f"weight is a DTensor split over mesh axes {split} "
