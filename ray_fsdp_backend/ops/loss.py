@@ -305,16 +305,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
             if want_hidden:
                 grad_hidden[start:end] = grad_h
-            if want_weight and grad_z.dtype == torch.float32:
-                grad_weight.addmm_(grad_z.T, h)
-            elif want_weight:  # bf16 product, summed over the chunks in fp32
-                grad_weight += grad_z.T @ h
+            if want_weight:
+                _accumulate_weight_grad(grad_weight, grad_z, h)
             del grad_z
         if want_hidden:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_z, h) -> None:
+    """``grad_weight += grad_z.T @ h`` summed in fp32 straight into the fp32
+    ``grad_weight``: a bf16 product would round a whole ``[vocab, dim]``
+    partial sum per chunk before the add (thousands of weights off by an ulp
+    or two against ``F.cross_entropy`` on the full logits, which rounds once).
+    CUDA multiplies the bf16 operands with an fp32 output (``out_dtype``,
+    torch >= 2.8); elsewhere the chunk's operands are widened to fp32 (a
+    ``chunk x vocab`` copy, the size of the logits already held)."""
+    if grad_z.dtype == torch.float32:
+        grad_weight.addmm_(grad_z.T, h)
+    elif grad_z.is_cuda:
+        torch.addmm(grad_weight, grad_z.T, h, out_dtype=torch.float32, out=grad_weight)
+    else:
+        grad_weight.addmm_(grad_z.T.float(), h.float())
 
 
 def _chunk_grad(h, weight, labels, lse, ignore_index, vocab_start, softcap) -> torch.Tensor:
