@@ -160,9 +160,9 @@ def document_attention(
         order.extend(rows)
     if len(outs) == 1:
         return outs[0]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return torch.cat(outs).index_select(0, inverse.to(q.device))
+    inverse = torch.empty(len(order), dtype=torch.long, device=q.device)
+    inverse[torch.tensor(order, device=q.device)] = torch.arange(len(order), device=q.device)
+    return torch.cat(outs).index_select(0, inverse)
 
 
 def span_attention(

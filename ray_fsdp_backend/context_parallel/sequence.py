@@ -55,8 +55,14 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def is_packed(position_ids: torch.Tensor) -> bool:
-    """Whether any row holds more than one document."""
-    return bool((document_ids(position_ids)[:, -1] > 0).any())
+    """Whether any row holds more than one document (a host read)."""
+    return bool(any_packed(position_ids))
+
+
+def any_packed(position_ids: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on ``position_ids``' device: whether any row holds more
+    than one document."""
+    return (document_ids(position_ids)[:, -1] > 0).any()
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,6 +97,24 @@ def chunk_indices(seq: int, cp_rank: int, cp_size: int, *, load_balance: bool) -
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
+RING_PACKED = (
+    "packed rows (position_ids restart inside a row) with context_parallel_backend='ring': "
+    "torch's ring attention takes no mask, so documents would attend to each other; use 'ulysses'"
+)
+
+
+def _refuse_packed_rows(position_ids: torch.Tensor) -> None:
+    """Refuse packed rows for the ring. Host rows are read (ValueError); rows
+    on a device are checked by a device-side assert: reading the answer
+    would stall the host on the device once per micro-batch."""
+    packed = any_packed(position_ids)
+    if position_ids.device.type == "cpu":
+        if packed:
+            raise ValueError(RING_PACKED)
+        return
+    torch._assert_async(~packed, RING_PACKED)
+
+
 def shard_sequence(
     batch: Mapping[str, torch.Tensor],
     cp_rank: int,
@@ -114,8 +138,9 @@ def shard_sequence(
 
     Raises:
         ValueError: no ``[batch, seq]`` tensor, ``seq`` not divisible (see
-            :func:`chunk_indices`), or packed rows with ``load_balance``
-            (torch's ring, which takes no document mask).
+            :func:`chunk_indices`), or packed host rows with ``load_balance``
+            (torch's ring, which takes no document mask); packed rows on a
+            GPU fail a device-side assert there instead (no host sync).
     """
     reference = batch.get("input_ids")
     if reference is None:
@@ -127,12 +152,8 @@ def shard_sequence(
     if out.get("position_ids") is None:
         out["position_ids"] = default_position_ids(rows, seq, reference.device)
     position_ids = out["position_ids"].expand(rows, seq)
-    if load_balance and is_packed(position_ids):
-        raise ValueError(
-            "packed rows (position_ids restart inside a row) with context_parallel_backend="
-            "'ring': torch's ring attention takes no mask, so documents would attend to each "
-            "other; use 'ulysses'"
-        )
+    if load_balance:
+        _refuse_packed_rows(position_ids)
     for key in SHIFTED_KEYS:
         if out.get(key) is not None:
             out[key] = shift_labels(out[key], position_ids)

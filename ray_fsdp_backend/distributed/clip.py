@@ -123,14 +123,13 @@ def _is_shard(placement) -> bool:
 
 
 def _global_norm_power(
-    entries: list[tuple], norm_type: float, *, check_replicated: bool
+    entries: list[tuple], norm_type: float, device: torch.device, *, check_replicated: bool
 ) -> tuple[torch.Tensor, int]:
     """``sum |g|^p`` over every gradient element of every rank (``max |g|``
-    for ``p = inf``), before the ``1/p`` root."""
+    for ``p = inf``), before the ``1/p`` root, on ``device``."""
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for key, local, _ in entries:
         buckets.setdefault(key, []).append(local)
-    device = entries[0][1].device if entries else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     is_inf = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
@@ -200,6 +199,7 @@ def clip_grad_norm_(
     eps: float = 1e-6,
     check_replicated: bool = False,
     across: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> ClipStats:
     """Scale all gradients in place so that their global ``norm_type`` norm
     (2, 1, ``inf`` or any positive p, as torch's keyword) is at most
@@ -208,6 +208,11 @@ def clip_grad_norm_(
     ``max_norm=None`` (or ``inf``) only measures the norm. The coefficient
     stays a tensor: no host synchronisation. A non-finite norm scales the
     gradients by 0 or NaN, as torch does; skip the optimizer step then.
+
+    The norm is computed and reduced on ``device`` (the rank's compute
+    device; None: the first gradient's, else torch's default). A rank that holds no gradient (a
+    frozen pipeline stage) still joins the reductions with a zero on
+    ``device``: a host zero there crashed an NCCL group.
 
     Every rank passes the same parameters in the same order. With
     ``check_replicated`` it also verifies that plain gradients are equal on
@@ -223,8 +228,13 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
-    entries, reduced = _norm_entries(unique_grads(parameters))
-    power, collectives = _global_norm_power(entries, norm_type, check_replicated=check_replicated)
+    grads = unique_grads(parameters)
+    if device is None:
+        device = grads[0].device if grads else torch.get_default_device()
+    entries, reduced = _norm_entries(grads)
+    power, collectives = _global_norm_power(
+        entries, norm_type, device, check_replicated=check_replicated
+    )
     if across is not None:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(power, op=op, group=across)

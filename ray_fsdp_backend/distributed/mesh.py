@@ -65,7 +65,8 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    mesh = DeviceMesh(device_type, torch.tensor(layout.grid), mesh_dim_names=layout.axis_names)
+    grid = torch.tensor(layout.grid)  # host: the rank grid, which DeviceMesh reads on the host
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=layout.axis_names)
     if layout.expert_parallel_size > 1:
         build_expert_meshes(mesh, layout)
     return mesh

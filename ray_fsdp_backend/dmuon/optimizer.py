@@ -163,7 +163,8 @@ class Muon(torch.optim.Optimizer):
         )
         # Newton–Schulz and both exchanges run where compute runs (the GPU also
         # when CPU offload keeps the shards on the host).
-        device = ns_device(dedicated[0][1]) if dedicated else torch.device("cpu")
+        host = torch.device("cpu")  # host: no matrix on any rank: nothing is exchanged
+        device = ns_device(dedicated[0][1]) if dedicated else host
         self._exchange = ShardExchange(self.plan, self.shard_group, dtype=ns_dtype, device=device)
         self._exchange.verify_consistent(
             shard_rows_error(matrices, self.plan, self.shard_group)

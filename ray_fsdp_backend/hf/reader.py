@@ -196,7 +196,7 @@ class _Rows:
     def tensor(self, data: memoryview) -> torch.Tensor:
         e = self.entry
         if not data:
-            return torch.empty((self.count, *e.shape[1:]), dtype=e.dtype)
+            return torch.empty((self.count, *e.shape[1:]), dtype=e.dtype)  # host: file bytes
         tensor = torch.frombuffer(bytearray(data), dtype=e.dtype)
         return tensor.reshape((self.count, *e.shape[1:]) if e.shape else ())
 

@@ -139,7 +139,7 @@ def _gather_scalars(values: list[torch.Tensor | float], device: torch.device) ->
     copy) and 0-d tensors (copied on the device, not read), in order."""
     is_tensor = [isinstance(v, torch.Tensor) for v in values]
     host = [0.0 if t else float(v) for v, t in zip(values, is_tensor, strict=True)]
-    out = torch.tensor(host, dtype=torch.float64).to(device)
+    out = torch.tensor(host, dtype=torch.float64, device=device)
     for i, v in enumerate(values):
         if is_tensor[i]:
             out[i] = v.detach().reshape(())

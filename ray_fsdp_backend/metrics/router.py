@@ -100,7 +100,7 @@ class RouterStats:
         totals: dict[str, torch.Tensor] = {}
         for part in gathered:
             for label, counts in part.items():
-                add = torch.tensor(counts, dtype=torch.float64)
+                add = torch.tensor(counts, dtype=torch.float64)  # host: gathered lists
                 totals[label] = totals[label] + add if label in totals else add
         if not totals:
             return {}

@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.empty(dim))  # host: moved with the module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the compute dtype: bf16 loses the mean square.

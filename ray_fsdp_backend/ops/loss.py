@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ray_fsdp_backend.planning.memory import DEFAULT_CHUNK_TOKENS
+from ray_fsdp_backend.planning.topology import TP_AXIS
 
 REDUCTIONS = ("sum", "mean")
 
@@ -72,11 +73,16 @@ def linear_cross_entropy(
     Args:
         hidden: ``[..., dim]`` final hidden states (after the last norm).
         weight: ``[vocab, dim]`` output head weight (tied or not); a
-            ``Shard(0)`` DTensor over a tp mesh computes vocabulary-parallel.
+            ``Shard(0)`` DTensor over a 1-D ``tp`` mesh computes
+            vocabulary-parallel; a DTensor split over any other mesh axis (an
+            FSDP-sharded head) is refused.
         labels: ``[...]`` target token per row of ``hidden``, already
             shifted; ``ignore_index`` rows count for nothing.
         ignore_index: label value that takes no loss.
-        reduction: ``sum`` (over valid tokens) or ``mean`` (over valid tokens).
+        reduction: ``sum`` (over valid tokens) or ``mean`` (over valid tokens);
+            a ``mean`` over no valid token is 0 with zero gradients (a
+            prompt-only micro-batch adds nothing to the step; ``F.cross_entropy``
+            gives the same zero gradients but a NaN value).
         chunk_size: tokens per chunk (None: :data:`DEFAULT_CHUNK_TOKENS`).
         softcap: Gemma 2's final logit soft-cap ``c * tanh(logits / c)``.
         compile: run each chunk's forward and backward math through
@@ -88,7 +94,11 @@ def linear_cross_entropy(
 
     Raises:
         ValueError: a reduction not in ``sum``/``mean``, a chunk size below 1,
-            or mismatched shapes.
+            mismatched shapes, or a weight split over a mesh axis not ``tp``.
+        RuntimeError: a label outside ``[0, vocab)`` that is not
+            ``ignore_index`` (``F.cross_entropy`` raises too). The check is
+            ``torch._assert_async``: on CPU it raises here; on CUDA it is a
+            device-side assert, with no host sync.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
@@ -100,6 +110,7 @@ def linear_cross_entropy(
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: labels must be "
             "hidden's shape without its last dim (one target per row, already shifted)"
         )
+    _assert_labels_in_vocabulary(labels, weight.shape[0], ignore_index)
     hidden, weight, group, vocab_start = _local_operands(hidden, weight)
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden dim {hidden.shape[-1]} != weight dim {weight.shape[-1]}")
@@ -116,7 +127,19 @@ def linear_cross_entropy(
     )
     if reduction == "sum":
         return total
-    return total / (labels != ignore_index).sum()
+    # At least 1: no valid token gives 0 / 1 (zero gradients), not 0 / 0 (NaN).
+    return total / (labels != ignore_index).sum().clamp_min(1)
+
+
+def _assert_labels_in_vocabulary(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label is a word of the (whole) vocabulary or ``ignore_index``:
+    a label past it would otherwise be scored against no logit at all."""
+    in_range = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)
+    torch._assert_async(
+        in_range.all(),
+        f"labels must lie in [0, {vocab}) (the head's vocabulary) or equal "
+        f"ignore_index={ignore_index}",
+    )
 
 
 def _local_operands(hidden: torch.Tensor, weight: torch.Tensor):
@@ -129,6 +152,7 @@ def _local_operands(hidden: torch.Tensor, weight: torch.Tensor):
         hidden = hidden.redistribute(hidden.device_mesh, [Replicate()]).to_local()
     if not isinstance(weight, DTensor):
         return hidden, weight, None, 0
+    _refuse_split_outside_tp(weight)
     mesh, placements = weight.device_mesh, weight.placements
     if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
         return hidden, weight.full_tensor(), None, 0
@@ -136,6 +160,28 @@ def _local_operands(hidden: torch.Tensor, weight: torch.Tensor):
     if vocab % size:
         raise ValueError(f"vocabulary {vocab} is not a multiple of the tp size {size}")
     return hidden, weight.to_local(), mesh.get_group(), rank * (vocab // size)
+
+
+def _refuse_split_outside_tp(weight: DTensor) -> None:
+    """A weight split over a mesh axis other than ``tp`` is refused: an
+    FSDP-sharded head (its unit resharded after forward) is ``Shard(0)`` on
+    a 1-D dp mesh too, and taken for a vocabulary split it gave every rank a
+    wrong loss; gathered here, its gradient would bypass FSDP's reduction."""
+    mesh = weight.device_mesh
+    names = mesh.mesh_dim_names or (None,) * mesh.ndim
+    split = [
+        name
+        for axis, (name, placement) in enumerate(zip(names, weight.placements, strict=True))
+        if not placement.is_replicate() and mesh.size(axis) > 1  # a 1-rank axis splits nothing
+    ]
+    if any(name != TP_AXIS for name in split):
+        raise ValueError(
+            f"weight is a DTensor split over mesh axes {split} "
+            f"(placements {tuple(weight.placements)}): linear_cross_entropy splits the "
+            f"vocabulary only over a 1-D {TP_AXIS!r} mesh. An FSDP-sharded head must be "
+            "gathered when the loss runs: keep its unit gathered after forward "
+            "(set_reshard_after_forward(False)), as the trainer does"
+        )
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -259,16 +305,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
             if want_hidden:
                 grad_hidden[start:end] = grad_h
-            if want_weight and grad_z.dtype == torch.float32:
-                grad_weight.addmm_(grad_z.T, h)
-            elif want_weight:  # bf16 product, summed over the chunks in fp32
-                grad_weight += grad_z.T @ h
+            if want_weight:
+                _accumulate_weight_grad(grad_weight, grad_z, h)
             del grad_z
         if want_hidden:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_z, h) -> None:
+    """``grad_weight += grad_z.T @ h`` summed in fp32 straight into the fp32
+    ``grad_weight``: a bf16 product would round a whole ``[vocab, dim]``
+    partial sum per chunk before the add (thousands of weights off by an ulp
+    or two against ``F.cross_entropy`` on the full logits, which rounds once).
+    CUDA multiplies the bf16 operands with an fp32 output (``out_dtype``,
+    torch >= 2.8); elsewhere the chunk's operands are widened to fp32 (a
+    ``chunk x vocab`` copy, the size of the logits already held)."""
+    if grad_z.dtype == torch.float32:
+        grad_weight.addmm_(grad_z.T, h)
+    elif grad_z.is_cuda:
+        torch.addmm(grad_weight, grad_z.T, h, out_dtype=torch.float32, out=grad_weight)
+    else:
+        grad_weight.addmm_(grad_z.T.float(), h.float())
 
 
 def _chunk_grad(h, weight, labels, lse, ignore_index, vocab_start, softcap) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ray_fsdp_backend.compat.peft import is_peft_model
 from ray_fsdp_backend.pipeline import families
 from ray_fsdp_backend.pipeline.families import HF_FAMILIES
 from ray_fsdp_backend.planning.pipeline_layout import StagePlan, plan_stages, tied_embeddings_error
@@ -152,6 +153,12 @@ def _decoder_parts(model: nn.Module) -> tuple[nn.Module, tuple[str, str, str, st
     if family in HF_FAMILIES and hasattr(model, "lm_head") and hasattr(inner, "layers"):
         families.check_family(model)
         return inner, ("embed_tokens", "layers", "norm", "lm_head")
+    if is_peft_model(model):  # its model_type is the base model's, which may be supported
+        raise ValueError(
+            f"pipeline_parallel_size > 1 does not split a peft {type(model).__name__} "
+            f"(adapters on a model_type={family!r} base, which is supported without "
+            "adapters): train the adapters without pipeline parallelism"
+        )
     raise ValueError(
         f"pipeline_parallel_size > 1 splits the built-in decoder or a transformers causal LM "
         f"of model_type {', '.join(HF_FAMILIES)}; got {type(model).__name__} "

@@ -11,7 +11,8 @@ the dp ranks of each stage.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ class _Pipeline:
         from ray_fsdp_backend.planning.pipeline_schedules import stage_indices
 
         self.micro = micro
-        self.divisor = torch.ones(())
+        self.divisor = torch.ones((), device=ctx.device)
         self.loss_fn: LossFn = token_sum_cross_entropy
         group = ctx.mesh["pp"].get_group()
         self.group, config = group, ctx.config
@@ -114,9 +115,9 @@ def pipeline_step(
     shifted_labels)`` (a token sum; default: cross-entropy summed) over
     ``ctx.global_token_count``, from the last stage. Gradients accumulate on
     the stage's parameters; no other gradient sync is needed."""
-    pipe, ids, targets, kwargs = _prepare(ctx, model, batch, loss_fn)
+    pipe, ids, targets, kwargs = _prepare(ctx, model, batch, loss_fn, "step")
     pipe.divisor = ctx.global_token_count(targets).to(ctx.device)
-    return _run(ctx, pipe, pipe.schedule.step, ids, targets, kwargs)
+    return _run(ctx, model, pipe, pipe.schedule.step, (ids, targets, kwargs))
 
 
 def pipeline_eval(
@@ -124,39 +125,67 @@ def pipeline_eval(
 ) -> torch.Tensor:
     """Forward only (the schedule's ``eval``): the token sum of ``loss_fn``
     over ``batch`` (as :func:`pipeline_step` takes it), on every rank of the
-    pipeline; no gradients, no division."""
-    pipe, ids, targets, kwargs = _prepare(ctx, model, batch, loss_fn)
+    pipeline; no gradients, no division. The gradients a ``pipeline_step``
+    left for the optimizer stay as they were."""
+    pipe, ids, targets, kwargs = _prepare(ctx, model, batch, loss_fn, "eval")
     pipe.divisor = torch.ones((), device=ctx.device)
     with torch.no_grad():
-        return _run(ctx, pipe, pipe.schedule.eval, ids, targets, kwargs)
+        return _run(ctx, model, pipe, pipe.schedule.eval, (ids, targets, kwargs))
 
 
-def _prepare(ctx, model, batch, loss_fn):
-    """The stage's pipeline (built once per micro-batch count), the ids, the
-    shifted targets and the keyword inputs every stage takes."""
+def _prepare(ctx, model, batch, loss_fn, mode: str):
+    """The stage's pipeline (built once per mode and micro-batch shape), the
+    ids, the shifted targets and the keyword inputs every stage takes.
+    Labels are shifted per document when ``position_ids`` restart inside a
+    row (packed rows): a document's last token predicts nothing, as in
+    :func:`~ray_fsdp_backend.context_parallel.sequence.shift_labels`."""
     if "input_ids" not in batch or not {"labels", "targets"} & set(batch):
         raise ValueError(
             f"pipeline_step needs input_ids and labels (or shifted targets), got {sorted(batch)}"
         )
     rows = batch["input_ids"].shape[0]
     micro = resolve_microbatches(ctx.config.pipeline_microbatches, ctx.pp_size, rows)
-    # One stage and schedule per micro-batch shape (training and evaluation
-    # batches differ): a stage's receive buffers keep the shape it first saw.
+    # One stage and schedule per mode and micro-batch shape: a stage's receive
+    # buffers keep the shape it first saw, and torch 2.13 re-runs its shape
+    # inference (a forward and a backward) whenever one schedule switches
+    # between step and eval.
     pipes = model.__dict__.setdefault("_rfb_pipelines", {})
-    shape = (micro, *batch["input_ids"].shape)
-    pipe = pipes.get(shape)
+    key = (mode, micro, *batch["input_ids"].shape)
+    pipe = pipes.get(key)
     if pipe is None:
-        pipe = pipes[shape] = _Pipeline(ctx, model, micro)
+        pipe = pipes[key] = _Pipeline(ctx, model, micro)
+    kwargs = {}
+    if batch.get("position_ids") is not None:
+        kwargs["position_ids"] = batch["position_ids"].expand(rows, -1).to(ctx.device)
     if "targets" in batch:
         targets = batch["targets"].to(ctx.device)
     else:
-        targets = ctx.shard_sequence({"labels": batch["labels"]})["labels"].to(ctx.device)
+        labels = {"labels": batch["labels"], **kwargs}
+        targets = ctx.shard_sequence(labels)["labels"].to(ctx.device)
     pipe.loss_fn = loss_fn or token_sum_cross_entropy
-    kwargs = {}
-    if batch.get("position_ids") is not None:
-        positions = batch["position_ids"].expand(rows, -1)
-        kwargs["position_ids"] = positions.to(ctx.device)
     return pipe, batch["input_ids"].to(ctx.device), targets, kwargs
+
+
+@contextlib.contextmanager
+def _gradients_kept(model: nn.Module) -> Iterator[None]:
+    """Gradients accumulated before a schedule's run survive it, and the
+    run's own are added to them.
+
+    torch 2.13's ``PipelineStage`` infers shapes with a real forward (and
+    backward) on a schedule's first run and on a train -> eval switch; its
+    cleanup (``_post_metadata_inference_cleanup``) sets every FSDP
+    parameter's ``.grad`` to None. A ``pipeline_eval`` (or a ``pipeline_step``
+    of a new shape) between ``pipeline_step`` and ``opt.step()`` then left the
+    optimizer no gradient: the norm read 0 and the step did nothing."""
+    held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    for param, _ in held:
+        param.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, grad in held:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 
 def _stage_index(ctx, module: nn.Module) -> int:
@@ -177,16 +206,19 @@ def _stage_index(ctx, module: nn.Module) -> int:
     return index
 
 
-def _run(ctx, pipe: _Pipeline, run, ids, targets, kwargs) -> torch.Tensor:
+def _run(ctx, model: nn.Module, pipe: _Pipeline, run, inputs: tuple) -> torch.Tensor:
     """``run`` (the schedule's step or eval) on this rank's stages (the first
     stage takes the ids, the last the targets; ZBV holds both on rank 0);
-    the summed micro-batch losses broadcast from the rank holding the last."""
+    the summed micro-batch losses broadcast from the rank holding the last.
+    ``inputs``: the ids, the targets and the keyword inputs."""
+    ids, targets, kwargs = inputs
     losses: list[torch.Tensor] = []
     args = (ids,) if pipe.holds_first else ()
-    if pipe.holds_last:
-        run(*args, target=targets, losses=losses, **kwargs)
-    else:
-        run(*args, **kwargs)
+    with _gradients_kept(model):
+        if pipe.holds_last:
+            run(*args, target=targets, losses=losses, **kwargs)
+        else:
+            run(*args, **kwargs)
     loss = torch.zeros((), dtype=torch.float32, device=ctx.device)
     if losses:
         loss = torch.stack([part.detach().float() for part in losses]).sum()

@@ -128,8 +128,9 @@ class TrainContext:
         :meth:`wrap` returned it), ``pipeline_schedule`` over
         ``pipeline_microbatches``; returns the step's loss on every rank
         (``loss_fn(logits, shifted_labels)``, a token sum, default
-        cross-entropy, over :meth:`global_token_count`). Then clip and step as
-        usual. See :func:`ray_fsdp_backend.pipeline.step.pipeline_step`.
+        cross-entropy, over :meth:`global_token_count`). Then clip and step;
+        several calls before one step add their means (docs/parallelism.md).
+        See :func:`ray_fsdp_backend.pipeline.step.pipeline_step`.
 
         Raises:
             ValueError: without ``pipeline_parallel_size > 1``, or rows not
@@ -190,9 +191,10 @@ class TrainContext:
 
     def seed_step(self, seed: int, step: int) -> None:
         """Seed this rank's generators for ``step`` as ``ray-fsdp train`` does
-        every step: from ``seed``, ``step`` and this rank's dp and cp
-        coordinates, so ranks holding different tokens draw different dropout
-        masks even when every rank was seeded alike, the ranks of a tp group
+        every step: from ``seed``, ``step`` and this rank's dp, cp and pp
+        coordinates, so ranks holding different tokens (or, under pp,
+        different layers) draw different dropout masks even when every rank
+        was seeded alike, the ranks of a tp group
         draw alike (attention heads a tp rank holds alone draw apart), and a
         resumed run draws at ``step`` what an uninterrupted one does. Call it
         at the start of each step, after the model is built (its

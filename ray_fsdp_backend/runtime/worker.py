@@ -61,7 +61,7 @@ def _select_device() -> torch.device:
         device = ray.train.torch.get_device()
         torch.cuda.set_device(device)
         return device
-    return torch.device("cpu")
+    return torch.device("cpu")  # host: no GPU, so this rank computes on the CPU
 
 
 def setup_worker(

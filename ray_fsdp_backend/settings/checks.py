@@ -342,6 +342,14 @@ def _check_pipeline_composition(cfg: Any) -> None:
             f"pipeline_parallel_size={pp} with use_dmuon=true is not supported yet: use one "
             "of the two"
         )
+    if cfg.loss_parallel:
+        raise ValueError(
+            f"loss_parallel=true with pipeline_parallel_size={pp} is not supported: the last "
+            "stage's loss and its backward run inside torch's pipeline schedule, outside "
+            "ctx.loss_parallel(), so the vocabulary-split logits fail there and the other "
+            "stages wait until the group times out; leave loss_parallel false (the last "
+            "stage gathers its logits)"
+        )
     if cfg.pipeline_schedule == "1f1b" and micro is not None and micro < pp:
         raise ValueError(
             f"pipeline_microbatches={micro} < pipeline_parallel_size={pp}: pipeline_schedule="

@@ -99,5 +99,6 @@ class DistributionStrategy(ABC):
             norm_type=norm_type,
             check_replicated=self._last_clip is None,
             across=pipeline_group(self.mesh),
+            device=self.device,
         )
         return self._last_clip.total_norm

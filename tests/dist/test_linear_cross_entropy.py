@@ -138,3 +138,31 @@ def test_chunked_loss_trains_like_one_process_full_logits(results, layout):
     assert got_state.keys() == want_state.keys()
     for key, value in want_state.items():
         torch.testing.assert_close(got_state[key], value, rtol=1e-4, atol=1e-4, msg=key)
+
+
+def _fsdp_sharded_head(rank, world):
+    """A head weight FSDP2 left sharded (``Shard(0)`` on a 1-D ``dp_shard``
+    mesh) passed to the loss: its message, or None when it was taken (as a
+    vocabulary split, which gave every rank a wrong loss)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ray_fsdp_backend as rfb
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(6, 8, generator=gen), torch.randn(64, 8, generator=gen)
+    labels = torch.randint(0, 64, (6,), generator=gen)
+    sharded = distribute_tensor(weight, mesh, [Shard(0)])
+    try:
+        rfb.linear_cross_entropy(hidden, sharded, labels)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_an_fsdp_sharded_head_weight_is_refused_by_name():
+    message = run_ranks(_fsdp_sharded_head, 2)
+    assert message is not None, "an FSDP-sharded head was taken as a vocabulary split"
+    assert "['dp_shard']" in message and "'tp' mesh" in message, message
+    assert "set_reshard_after_forward(False)" in message, message

@@ -163,7 +163,8 @@ def _logits(model, ids, positions=None):
 def _reference(model, packed=False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch: the mean over every valid target."""
     batch, opt = _batch(packed), torch.optim.AdamW(model.parameters(), lr=1e-2)
-    labels = shift_labels(batch["labels"])
+    # Per document: a packed document's last token predicts nothing.
+    labels = shift_labels(batch["labels"], batch.get("position_ids"))
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
@@ -181,7 +182,7 @@ def _held_out(model, packed: bool) -> float:
     batch = _batch(packed)
     with torch.no_grad():
         logits = _logits(model, batch["input_ids"], batch.get("position_ids"))
-        labels = shift_labels(batch["labels"]).flatten()
+        labels = shift_labels(batch["labels"], batch.get("position_ids")).flatten()
         return float(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"))
 
 
@@ -334,15 +335,29 @@ def results(checkpoint):
     return run_ranks(_checks, 4, *checkpoint)
 
 
+def _tolerances(case: str) -> tuple[float, float]:
+    """(relative loss / norm error, absolute parameter error). Packed rows'
+    targets stop at each document's end (issue 55: they crossed documents
+    before, in the stages and in this reference alike): step 1 still agrees
+    to 1e-7, but over 3 AdamW steps the rounding grows to 3.3e-5 in the
+    step-3 norm and 4.3e-4 in the weights (decoder, interleaved 1F1B, V 2;
+    Gemma 3: 1.5e-4), measured, so packed cases get 5e-5 and 1e-3: a wrong
+    gradient still moves a weight by the learning rate, 1e-2 a step."""
+    packed = CASES[case][4] if len(CASES[case]) > 4 else False
+    return (5e-5, 1e-3) if packed else (1e-5, 1e-4)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_steps_equal_one_process(results, case):
+    rel, absolute = _tolerances(case)
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
         assert "error" not in got, got.get("error")
-        assert max(got["errors"]) < 1e-5, (rank, got["errors"])
+        assert max(got["errors"][:2]) < 1e-5, (rank, got["errors"])  # step 1: as strict as ever
+        assert max(got["errors"]) < rel, (rank, got["errors"])
         # AdamW divides by the gradients' root mean square: float noise of 1e-7
         # in a tiny gradient moves a weight by ~1e-5 over 3 steps of lr 1e-2.
-        assert got["params"] < 1e-4, (rank, got["params"])
+        assert got["params"] < absolute, (rank, got["params"])
         load, ref_load = got["load"]  # every MoE layer's, on every rank; {} for dense models
         assert load == pytest.approx(ref_load, abs=1e-9), (rank, load, ref_load)
         assert len(load) == 3 * family_is_moe(case), (rank, load)

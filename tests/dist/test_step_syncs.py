@@ -48,9 +48,11 @@ SPAN_READS_PER_STEP = 2
 DDP = ["distributed.use_fsdp=false", "train.grad_accum=2"]
 NON_LOGGED = [s for s in range(2, STEPS) if s % LOG_EVERY]
 # The CPU kernel of fused AdamW reads each step counter (a CPU tensor) with
-# item() inside the kernel; the CUDA kernel reads them on the device. Not a
-# host sync on a GPU, so not counted (every other read is).
-CPU_KERNEL_READS = ("aten::_fused_adamw_",)
+# item() inside the kernel; the CUDA kernel reads them on the device. So does
+# torch._assert_async (the chunked loss's label check): an item() on CPU, a
+# device-side assert on CUDA. Not host syncs on a GPU, so not counted (every
+# other read is).
+CPU_KERNEL_READS = ("aten::_fused_adamw_", "aten::_assert_async")
 
 
 def _inside(event, names: tuple[str, ...]) -> bool:

@@ -79,3 +79,15 @@ def test_an_empty_local_shard_adds_nothing_to_any_norm():
         torch.testing.assert_close(
             clip_grad_norm_(ours, None, norm_type=norm_type).total_norm, expected
         )
+
+
+def test_a_rank_without_gradients_computes_its_zero_on_the_given_device():
+    """A frozen pipeline stage holds no gradient, yet joins the pp
+    all-reduce: its zero must be on the rank's compute device (``meta`` here
+    stands in for ``cuda``). It was made on the host, which NCCL refuses."""
+    frozen = [torch.nn.Parameter(torch.ones(3), requires_grad=False)]
+    stats = clip_grad_norm_(frozen, 1.0, device="meta")
+    assert stats.total_norm.device.type == "meta"
+    assert stats.clip_coef.device.type == "meta"
+    plain = clip_grad_norm_(_params(torch.ones(4)), None, device="meta")
+    assert plain.total_norm.device.type == "meta"

@@ -245,3 +245,14 @@ def test_ring_refuses_float32_grouped_query_heads_and_packed_rows_by_name():
     with pytest.raises(ValueError, match="packed rows .*context_parallel_backend='ring'"):
         shard_sequence(rows, 0, 2, load_balance=True)
     assert shard_sequence(rows, 0, 2)["input_ids"].shape == (2, 4)  # Ulysses takes them
+
+
+def test_the_ring_check_of_device_rows_reads_nothing_on_the_host():
+    """Rows on a device (``meta`` stands in for ``cuda``: reading it raises)
+    are checked by a device-side assert, not read back once per micro-batch
+    (``bool(...)`` of the packed flag was a host sync)."""
+    rows = {
+        "input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta"),
+        "position_ids": torch.arange(8, device="meta").repeat(2, 1),
+    }
+    assert shard_sequence(rows, 0, 2, load_balance=True)["input_ids"].shape == (2, 4)

@@ -76,3 +76,18 @@ def test_moe_family_with_other_layers_is_refused_by_name():
     """Qwen3-Next's linear-attention layers take no causal mask: not split."""
     with pytest.raises(ValueError, match="model_type='qwen3_next'"):
         split_for_stage(_meta("qwen3_next"), 0, 2)
+
+
+def test_a_peft_model_is_refused_for_what_it_is():
+    """A PeftModel carries its base's ``model_type``: the refusal said "got
+    PeftModel (model_type='llama')" although llama is split; it names the
+    adapters instead."""
+    import peft
+    import transformers
+
+    from tests.hf_models import tiny_config
+
+    base = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"does not split a peft PeftModel.*'llama' base"):
+        split_for_stage(model, 0, 2)

@@ -71,6 +71,10 @@ def _broken(tmp_path, tiny_llama):
          [f"model.pretrained={tiny_llama}", "model.lora.target_modules=[q, v_proj]"],
          "model.lora.target_modules=['q', 'v_proj']: ['q'] match no linear layer"),
         ("cpu_tiny", ["train.stesp=3"], "did you mean 'steps'"),
+        ("cpu_tiny",
+         ["distributed.use_fsdp=true", "distributed.pipeline_parallel_size=2",
+          "distributed.tensor_parallel_size=2", "distributed.loss_parallel=true"],
+         "loss_parallel=true with pipeline_parallel_size=2 is not supported"),
     ]  # fmt: skip
 
 

@@ -64,7 +64,7 @@ def split_corpus(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
 
 
 def encode(text: str) -> torch.Tensor:
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)  # host: data
 
 
 def decode(tokens: Iterable[int]) -> str:
@@ -200,7 +200,7 @@ class PackedBatches(ShardedBatches):
         samples = compute_rank_samples(
             self.position, self.micro_batch_size, self.dp_rank, self.dp_size
         )
-        index = torch.tensor([self.order.start(s) for s in samples])
+        index = torch.tensor([self.order.start(s) for s in samples])  # host: data
         self.position += self.global_batch_rows
         return {key: rows[index] for key, rows in self.rows.items()}
 
@@ -290,4 +290,4 @@ def tokenize_corpus(cfg, path: str | None) -> torch.Tensor:
 
     text = load_corpus(path).to(torch.uint8).numpy().tobytes().decode("utf-8", errors="replace")
     tokenizer = load_tokenizer(cfg.pretrained)
-    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)  # host: data

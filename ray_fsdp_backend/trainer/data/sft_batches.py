@@ -66,10 +66,10 @@ def pad_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tenso
     missing = rows - len(batch["input_ids"])
     if missing <= 0:
         return batch
-    seq = batch["input_ids"].shape[1]
+    seq, device = batch["input_ids"].shape[1], batch["input_ids"].device
     fill = {
-        "input_ids": torch.zeros(missing, seq, dtype=torch.long),
-        "targets": torch.full((missing, seq), IGNORE_INDEX, dtype=torch.long),
-        "position_ids": torch.arange(seq).expand(missing, seq),
+        "input_ids": torch.zeros(missing, seq, dtype=torch.long, device=device),
+        "targets": torch.full((missing, seq), IGNORE_INDEX, dtype=torch.long, device=device),
+        "position_ids": torch.arange(seq, device=device).expand(missing, seq),
     }
     return {k: torch.cat([batch[k], fill[k]]) for k in batch}

@@ -55,6 +55,6 @@ def pipeline_flops_per_token(ctx, model: nn.Module, seq_len: int) -> float:
     from ray_fsdp_backend.metrics.reporting import estimate_flops_per_token
 
     own = estimate_flops_per_token(model, seq_len, ctx.config.fsdp_block_classes)
-    total = torch.tensor(float(own), dtype=torch.float64)
+    total = torch.tensor(float(own), dtype=torch.float64, device=ctx.device)
     dist.all_reduce(total, group=ctx.mesh["pp"].get_group())
     return float(total)
