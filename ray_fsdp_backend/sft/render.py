@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ray_fsdp_backend.sft.conversation import is_trained
 from ray_fsdp_backend.sft.records import Format, SFTDataError, SFTOptions, record_fields
 
 IGNORE_INDEX = -100
@@ -49,8 +50,9 @@ def render_record(record: dict, tokenizer, options: SFTOptions, where: str):
             the conversation (a role it does not know, a bad order).
     """
     values = record_fields(record, options, where)
-    if options.format is Format.CHAT:
-        return chat_document(values[0], tokenizer, options.train_on_prompt, where)
+    if options.format.is_chat:
+        messages, tools = values
+        return chat_document(messages, tokenizer, options.train_on_prompt, where, tools)
     if options.format is Format.PROMPT_COMPLETION:
         prompt, completion = values
         if has_chat_template(tokenizer):
@@ -66,11 +68,13 @@ def render_record(record: dict, tokenizer, options: SFTOptions, where: str):
     return plain_document(text, [(0, len(text))], tokenizer)
 
 
-def render_chat(tokenizer, messages: list[dict], generation: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+def render_chat(tokenizer, messages: list[dict], generation: bool = False, tools=None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=generation
+    )
 
 
-def chat_document(messages: list[dict], tokenizer, train_on_prompt: bool, where: str):
+def chat_document(messages: list[dict], tokenizer, train_on_prompt: bool, where: str, tools=None):
     """The conversation rendered and tokenized; labels on its assistant turns."""
     if not has_chat_template(tokenizer):
         raise SFTDataError(
@@ -78,11 +82,11 @@ def chat_document(messages: list[dict], tokenizer, train_on_prompt: bool, where:
             "set tokenizer.chat_template or use format 'prompt_completion' / 'text'"
         )
     try:
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, tools=tools)
         spans = (
             [(0, len(text))]
             if train_on_prompt
-            else assistant_spans(tokenizer, messages, text, where)
+            else assistant_spans(tokenizer, messages, text, where, tools)
         )
     except SFTDataError:
         raise
@@ -94,15 +98,15 @@ def chat_document(messages: list[dict], tokenizer, train_on_prompt: bool, where:
     return tokenize_spans(tokenizer, text, spans, add_special_tokens=False)
 
 
-def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> Spans:
+def assistant_spans(tokenizer, messages: list[dict], text: str, where: str, tools=None) -> Spans:
     """Character spans of ``text`` (the whole rendered conversation) that hold
-    the assistant turns (see the module docstring)."""
+    the assistant turns (see the module docstring), but those of ``weight`` 0."""
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or not is_trained(message):
             continue
-        start = _generation_prefix(tokenizer, messages[:i])
-        end = render_chat(tokenizer, messages[: i + 1])
+        start = _generation_prefix(tokenizer, messages[:i], tools)
+        end = render_chat(tokenizer, messages[: i + 1], tools=tools)
         if not (text.startswith(start) and text.startswith(end) and len(end) > len(start)):
             raise SFTDataError(
                 f"{where}: the chat template renders assistant turn {i} differently "
@@ -114,13 +118,13 @@ def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> S
     return spans
 
 
-def _generation_prefix(tokenizer, history: list[dict]) -> str:
+def _generation_prefix(tokenizer, history: list[dict], tools=None) -> str:
     """The text before the model answers ``history``; an empty history that the
     template cannot render (it reads ``messages[0]``) has none."""
     if history:
-        return render_chat(tokenizer, history, generation=True)
+        return render_chat(tokenizer, history, generation=True, tools=tools)
     try:
-        return render_chat(tokenizer, history, generation=True)
+        return render_chat(tokenizer, history, generation=True, tools=tools)
     except Exception:  # jinja's UndefinedError on messages[0], and friends
         return ""
 

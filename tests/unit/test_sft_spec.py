@@ -85,16 +85,16 @@ def test_eval_steps_every_n_and_the_last():
     assert [s for s in range(1, 26) if is_eval_step(s, TrainOptions(steps=25))] == [25]
 
 
-def test_held_out_rows_are_a_seeded_fraction():
-    from ray_fsdp_backend.trainer.data.sft import HeldOut
+def test_held_out_records_are_a_seeded_fraction_of_their_text():
+    from ray_fsdp_backend.sft.records import RawRecord, is_held_out
 
-    rows = [{"input_ids": list(range(i, i + 16))} for i in range(2000)]
-    pick = HeldOut(0.1, seed=3)
-    held = [i for i, r in enumerate(rows) if pick(r)]
+    records = [RawRecord(f"f:{i}", '{"text": "%d"}' % i) for i in range(2000)]
+    held = [i for i, r in enumerate(records) if is_held_out(r, 0.1, seed=3)]
     assert 150 < len(held) < 250
-    assert held == [i for i, r in enumerate(rows) if HeldOut(0.1, seed=3)(r)]
-    assert held != [i for i, r in enumerate(rows) if HeldOut(0.1, seed=4)(r)]
-    assert not any(pick(r) and pick.complement(r) for r in rows)
+    moved = [RawRecord(f"other:{i + 7}", r.text) for i, r in enumerate(records)]
+    assert held == [i for i, r in enumerate(moved) if is_held_out(r, 0.1, seed=3)]
+    assert held != [i for i, r in enumerate(records) if is_held_out(r, 0.1, seed=4)]
+    assert not any(is_held_out(r, None, seed=3) for r in records)
 
 
 def _rows(n: int, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -216,7 +216,9 @@ class _Rows:
     def __init__(self, rows: dict[str, torch.Tensor]) -> None:
         self.rows = rows
 
-    def iter_torch_batches(self, batch_size: int, drop_last: bool):
+    def iter_torch_batches(self, batch_size: int, drop_last: bool, **shuffle):
+        # The order as given: the epoch shuffle is tested on Ray Data
+        # (tests/e2e/test_sft_dataset.py).
         return iter(_batches(self.rows, batch_size)[: len(self.rows["input_ids"]) // batch_size])
 
 
@@ -226,12 +228,12 @@ def test_sft_batches_resume_where_the_checkpoint_left_off():
     from ray_fsdp_backend.trainer.data.sft_batches import SftBatches
 
     shard = _Rows(_rows(10, seed=2))
-    whole = SftBatches(shard, 2)
+    whole = SftBatches(shard, 2, seq_len=8)
     reference = [whole.next_batch() for _ in range(8)]
-    first = SftBatches(shard, 2)
+    first = SftBatches(shard, 2, seq_len=8)
     for _ in range(3):
         first.next_batch()
-    resumed = SftBatches(shard, 2)
+    resumed = SftBatches(shard, 2, seq_len=8)
     resumed.load_state_dict(first.state_dict())
     rest = [resumed.next_batch() for _ in range(5)]
     for got, want in zip(rest, reference[3:], strict=True):

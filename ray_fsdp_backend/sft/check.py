@@ -1,0 +1,157 @@
+"""Every record checked on the driver before any worker starts: :func:`check_records`.
+
+One streamed pass over the files (:func:`~ray_fsdp_backend.sft.records.open_records`),
+in this process, without Ray: ``validate`` and ``plan`` then answer with no
+cluster, a problem names its record as ``FILE:LINE`` (``FILE#ROW``), and the
+records are rendered with the very functions the Ray Data workers run, so a
+record the check passes is one the workers take. The pass costs what
+rendering costs (one core); it is cached (:mod:`.check_cache`) by the files'
+content, the tokenizer and the options, so ``train`` after ``validate`` reads
+the files once to hash them and renders nothing.
+
+A problem is a record that cannot be trained as written: not JSON, a missing
+field, content that is not text, a role no template knows, a template that
+refuses the conversation, a record with no trainable token. The rows and
+padding are counted by packing the documents in groups of
+:data:`RECORDS_PER_BATCH` in file order, as the workers pack their batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ray_fsdp_backend.sft.packing import IGNORE_INDEX, PackCounts, pack_documents
+from ray_fsdp_backend.sft.records import (
+    Format,
+    SFTDataError,
+    SFTOptions,
+    Source,
+    is_held_out,
+    open_records,
+    parse_record,
+)
+from ray_fsdp_backend.sft.render import render_record
+
+RECORDS_PER_BATCH = 1024
+"""Records packed together: the more, the less padding (one partly filled
+row at most per few rows of a batch); each batch is packed on its own."""
+
+PROBLEMS_SHOWN = 20
+"""Problems a refusal lists; the rest are counted."""
+
+SPLITS = ("train", "eval")
+
+
+@dataclass
+class RecordCheck:
+    """What the check found: per split (``train``, ``eval``) the
+    :class:`~ray_fsdp_backend.sft.packing.PackCounts` of its rows, and the
+    problems (the first :data:`PROBLEMS_SHOWN`, and how many in all)."""
+
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
+    source: Source | None = field(default=None, compare=False, repr=False)
+    """The files checked (not cached: resolved again each time)."""
+
+    def cached(self) -> dict:
+        """What the cache keeps."""
+        return {
+            "counts": self.counts,
+            "problems": self.problems,
+            "problem_count": self.problem_count,
+        }
+
+    def rows(self, split: str = "train") -> int:
+        return self.counts[split]["rows"]
+
+    def add_problem(self, message: str) -> None:
+        self.problem_count += 1
+        if len(self.problems) < PROBLEMS_SHOWN:
+            self.problems.append(message)
+
+    def summary(self) -> str:
+        """One line of counts per split that has records."""
+        lines = []
+        for split, c in self.counts.items():
+            if c["records"] or split == "train":
+                lines.append(
+                    f"{split}: {c['records']} records read, {c['documents']} rendered, "
+                    f"{c['truncated']} truncated to seq_len, {c['dropped']} dropped (no target "
+                    f"left within seq_len), {c['rows']} rows, {c['padding']} padding tokens"
+                )
+        return "; ".join(lines)
+
+    def error(self, path: str) -> SFTDataError:
+        """The refusal: the problems shown, the count of the rest, the counts."""
+        rest = self.problem_count - len(self.problems)
+        more = [f"... and {rest} more problem record(s)"] if rest else []
+        listed = "\n  ".join([*self.problems, *more])
+        return SFTDataError(
+            f"{self.problem_count} record(s) of {path} cannot be trained as written:\n  "
+            f"{listed}\n  (counts of the records that passed: {self.summary()})"
+        )
+
+
+def check_records(
+    source: Source, tokenizer, options: SFTOptions, eval_fraction: float | None, seed: int
+) -> RecordCheck:
+    """Every record of ``source`` read, split, rendered and packed as the
+    workers will (see the module docstring); nothing raised for a record."""
+    result = RecordCheck()
+    totals = {split: PackCounts() for split in SPLITS}
+    pending: dict[str, list] = {split: [] for split in SPLITS}
+    for file in source.files:
+        for raw in open_records(source, file):
+            split = "eval" if is_held_out(raw, eval_fraction, seed) else "train"
+            document = _document(raw, tokenizer, options, result)
+            if document is None:
+                continue
+            pending[split].append(document)
+            if len(pending[split]) == RECORDS_PER_BATCH:
+                _pack(pending[split], options, tokenizer, totals[split])
+    for split in SPLITS:
+        _pack(pending[split], options, tokenizer, totals[split])
+        result.counts[split] = totals[split].as_dict()
+    return result
+
+
+def _document(raw, tokenizer, options: SFTOptions, result: RecordCheck):
+    """The record's ``(input_ids, labels)``, or None with its problem noted."""
+    try:
+        ids, labels = render_record(parse_record(raw), tokenizer, options, raw.where)
+    except SFTDataError as exc:
+        result.add_problem(str(exc))
+        return None
+    if not (labels[1:] != IGNORE_INDEX).any():
+        result.add_problem(
+            f"{raw.where}: no trainable token (no assistant turn of weight 1, or an empty "
+            "completion); such a record teaches nothing"
+        )
+        return None
+    return ids, labels
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id padding uses: the tokenizer's pad token, else EOS, else 0 (never a target)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _pack(documents: list, options: SFTOptions, tokenizer, counts: PackCounts) -> None:
+    if documents:
+        batch = PackCounts()
+        pack_documents(
+            documents,
+            options.seq_len,
+            pad_token_id(tokenizer),
+            packing=options.packing,
+            split=options.format is Format.TEXT,
+            counts=batch,
+        )
+        for name, value in batch.as_dict().items():
+            setattr(counts, name, getattr(counts, name) + value)
+    documents.clear()
