@@ -1,0 +1,163 @@
+"""Every record is checked on the driver before Ray starts (issue 54, item 1):
+a bad record at record 25 of 40 (past the 16 the old check read) is named
+``FILE:LINE`` (``FILE#ROW``) with its reason by ``validate``; a long list is cut
+with a count; the counts match what the workers' functions make; too few rows
+for one micro-batch per dp rank is refused with the numbers; the check is
+cached by the files' content."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ray_fsdp_backend.sft import SFTDataError, check_sft_source
+from ray_fsdp_backend.trainer.schema.spec import check_spec
+from tests import sft_tokenizers as st
+
+pytest.importorskip("transformers")
+
+USER = {"role": "user", "content": "What is 2+2?"}
+ANSWER = {"role": "assistant", "content": "4"}
+BAD = {
+    "not JSON": ('{"messages": [', "not JSON"),
+    "missing field": ({"conversation": [USER, ANSWER]}, "field 'messages' is missing"),
+    "list content": ({"messages": [USER, {"role": "assistant", "content": ["a", "b"]}]}, "part 0"),
+    "int content": ({"messages": [USER, {"role": "assistant", "content": 42}]}, "content is a int"),
+    "role typo": ({"messages": [USER, {"role": "bot", "content": "4"}]}, "has role 'bot'"),
+    "no assistant": ({"messages": [USER]}, "no trainable token"),
+    "image part": (
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}, ANSWER]},
+        "is an 'image' part",
+    ),
+}
+
+
+def _good(i: int) -> dict:
+    return {"messages": st.conversations()[i % 3]}
+
+
+def _write_jsonl(path, records) -> str:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def _forty(bad, at: int = 24) -> list:
+    return [bad if i == at else _good(i) for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
+
+    return save_tiny_pretrained("llama", tmp_path_factory.mktemp("m") / "chat", chat=True)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RFB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _validate(model: str, path: str, seq_len: int = 128, train=None, **data) -> list[str]:
+    doc = {
+        "distributed": {},
+        "model": {"pretrained": model, "seq_len": seq_len},
+        "data": {"format": "chat", "path": path, "packing": True, **data},
+        "train": train or {"micro_batch_size": 1},
+        "scaling": {"num_workers": 1},
+    }
+    return check_spec(doc)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_validate_names_record_25_of_40_and_its_reason_without_ray(chat_model, tmp_path, case):
+    record, reason = BAD[case]
+    path = _write_jsonl(tmp_path / "train.jsonl", _forty(record))
+    start = time.perf_counter()
+    errors = _validate(chat_model, path)
+    assert time.perf_counter() - start < 10
+    assert len(errors) == 1 and f"{path}:25: " in errors[0] and reason in errors[0], errors
+    assert "1 record(s)" in errors[0]
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+@pytest.mark.parametrize("case", ["missing field", "role typo"])
+def test_parquet_names_the_row(chat_model, tmp_path, case):
+    record, reason = BAD[case]
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(_forty(record)), path)
+    errors = _validate(chat_model, path)
+    assert len(errors) == 1 and f"{path}#24: " in errors[0] and reason in errors[0], errors
+
+
+def test_a_template_refusal_is_named(tmp_path):
+    bad = {"messages": [{"role": "tool", "content": "42"}, USER, ANSWER]}
+    path = _write_jsonl(tmp_path / "a.jsonl", _forty(bad))
+    with pytest.raises(SFTDataError, match=r"a\.jsonl:25: the chat template refuses"):
+        check_sft_source(path, st.tokenizer("default_system"), seq_len=128)
+
+
+def test_many_problems_are_cut_with_a_count_and_the_counts_follow(tmp_path):
+    records = [BAD["role typo"][0] if i % 2 else _good(i) for i in range(60)]
+    path = _write_jsonl(tmp_path / "a.jsonl", records)
+    with pytest.raises(SFTDataError) as info:
+        check_sft_source(path, st.tokenizer(), seq_len=128)
+    message = str(info.value)
+    assert message.startswith(f"30 record(s) of {path} cannot be trained as written")
+    assert message.count("has role 'bot'") == 20 and "... and 10 more problem record(s)" in message
+    assert "train: 30 records read, 30 rendered" in message
+
+
+def test_counts_match_what_the_workers_functions_make(tmp_path):
+    from ray_fsdp_backend.sft.dataset import records_from_file, rows_from_batch
+    from ray_fsdp_backend.sft.packing import PackCounts
+    from ray_fsdp_backend.sft.records import SFTOptions
+
+    records = [_good(i) for i in range(40)]
+    records[7] = {"messages": [USER, {"role": "assistant", "content": "word " * 400}]}
+    path = _write_jsonl(tmp_path / "a.jsonl", records)
+    tok = st.tokenizer()
+    checked = check_sft_source(path, tok, seq_len=256)
+    files = pa.table({"path": [path], "bytes": [open(path, "rb").read()]})
+    batch = records_from_file(files, "json", None, 0, "train")
+    counts = PackCounts()
+    rows_from_batch(batch, tok, SFTOptions.build(format="chat", seq_len=256), counts)
+    assert checked.counts["train"] == counts.as_dict()
+    assert counts.records == 40 and counts.truncated == 1 and counts.rows > 0
+
+
+def test_too_few_rows_for_one_micro_batch_per_rank_is_refused_with_the_numbers(
+    chat_model, tmp_path
+):
+    path = _write_jsonl(tmp_path / "small.jsonl", [_good(i) for i in range(30)])
+    train = {"micro_batch_size": 8}
+    errors = _validate(chat_model, path, seq_len=512, train=train, eval_fraction=0.1)
+    assert len(errors) == 1, errors
+    assert "training row(s)" in errors[0] and "train.micro_batch_size=8" in errors[0], errors
+    assert "after data.eval_fraction=0.1" in errors[0] and "give at least 8 rows" in errors[0]
+    assert _validate(chat_model, path, seq_len=512, train={"micro_batch_size": 1}) == []
+
+
+def test_the_check_is_cached_by_content(tmp_path, monkeypatch):
+    import ray_fsdp_backend.sft.dataset as dataset
+
+    calls = []
+    real = dataset.check_records
+    monkeypatch.setattr(dataset, "check_records", lambda *a: calls.append(1) or real(*a))
+    path = _write_jsonl(tmp_path / "a.jsonl", [_good(i) for i in range(10)])
+    first = check_sft_source(path, st.tokenizer(), seq_len=64)
+    again = check_sft_source(path, st.tokenizer(), seq_len=64)
+    assert len(calls) == 1 and again.counts == first.counts
+    check_sft_source(path, st.tokenizer("llama3"), seq_len=64)  # another template
+    assert len(calls) == 2
+    _write_jsonl(tmp_path / "a.jsonl", [_good(i) for i in range(9)] + [BAD["role typo"][0]])
+    with pytest.raises(SFTDataError, match=r"a\.jsonl:10: message 1 has role 'bot'"):
+        check_sft_source(path, st.tokenizer(), seq_len=64)
+    with pytest.raises(SFTDataError, match=r"a\.jsonl:10: "):  # the refusal is cached too
+        check_sft_source(path, st.tokenizer(), seq_len=64)
+    assert len(calls) == 3
