@@ -4,6 +4,8 @@ reads and the eval loss against a one-process reference."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,7 +90,7 @@ def test_eval_steps_every_n_and_the_last():
 def test_held_out_records_are_a_seeded_fraction_of_their_text():
     from ray_fsdp_backend.sft.records import RawRecord, is_held_out
 
-    records = [RawRecord(f"f:{i}", '{"text": "%d"}' % i) for i in range(2000)]
+    records = [RawRecord(f"f:{i}", json.dumps({"text": str(i)})) for i in range(2000)]
     held = [i for i, r in enumerate(records) if is_held_out(r, 0.1, seed=3)]
     assert 150 < len(held) < 250
     moved = [RawRecord(f"other:{i + 7}", r.text) for i, r in enumerate(records)]
