@@ -1,0 +1,111 @@
+"""The held-out set and the epoch order on a local Ray cluster (issue 54, item 4).
+
+``eval_fraction`` splits *records* by a seeded hash of each record's text,
+before rendering: the held-out records are the same over two epochs, a
+restart, a template that writes another date and dp 1 vs 2, and no record is
+in both sets. Each epoch of the training rows has its own order (seeded by
+``train.seed`` and the epoch), and a resume inside epoch 2 reads the rest of
+that epoch exactly as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import ray_fsdp_backend as rfb
+from tests import sft_tokenizers as st
+
+SEQ = 128
+RECORDS = 40
+
+
+@pytest.fixture(scope="module")
+def ray_session(ray_local):  # the pytest worker's shared cluster
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return ray_local
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RFB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _data(tmp_path) -> str:
+    path = tmp_path / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(RECORDS):
+            messages = [
+                {"role": "user", "content": f"record {i}: {st.WORDS[i % 12]}?"},
+                {"role": "assistant", "content": st.WORDS[(i * 5) % 12]},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return str(path)
+
+
+def _dated(day: int):
+    """ChatML that writes a date first, as Llama 3.2's template writes today's."""
+    tok = st.tokenizer("chatml")
+    tok.chat_template = f"Today: 2026-12-0{day}\n" + st.CHATML
+    return tok
+
+
+def _record_ids(tok, rows) -> list[int]:
+    """The record of each row (one record a row), in order."""
+    ids = []
+    for row in rows:
+        text = tok.decode(np.asarray(row), skip_special_tokens=False)
+        ids.append(int(re.search(r"record (\d+):", text).group(1)))
+    return ids
+
+
+def _split(path, tok, split: str) -> list[int]:
+    ds = rfb.sft_dataset(
+        path, tok, seq_len=SEQ, packing=False, eval_fraction=0.25, seed=5, split=split
+    )
+    return _record_ids(tok, [r["input_ids"] for r in ds.take_all()])
+
+
+def test_held_out_records_stay_held_out(ray_session, tmp_path):
+    path = _data(tmp_path)
+    tok = _dated(7)
+    held, train = sorted(_split(path, tok, "eval")), sorted(_split(path, tok, "train"))
+    assert 0 < len(held) < RECORDS // 2
+    assert not set(held) & set(train) and sorted(held + train) == list(range(RECORDS))
+    ds = rfb.sft_dataset(
+        path, tok, seq_len=SEQ, packing=False, eval_fraction=0.25, seed=5, split="eval"
+    )
+    epochs = [sorted(_record_ids(tok, [r["input_ids"] for r in ds.take_all()])) for _ in "ab"]
+    assert epochs == [held, held]  # two epochs
+    assert sorted(_split(path, tok, "eval")) == held  # a restart builds it again
+    assert sorted(_split(path, _dated(8), "eval")) == held  # the template's date changed
+    halves = ds.split(2)  # dp 2: each rank its half of the same records
+    per_rank = [_record_ids(tok, [r["input_ids"] for r in h.take_all()]) for h in halves]
+    assert sorted(per_rank[0] + per_rank[1]) == held
+
+
+def _epoch_orders(path, tok, seed: int, batches: int, state=None) -> list[int]:
+    from ray_fsdp_backend.trainer.data.sft_batches import SftBatches
+
+    rows = rfb.sft_dataset(path, tok, seq_len=SEQ, packing=False).random_shuffle(seed=seed)
+    reader = SftBatches(rows.iterator(), 2, seq_len=SEQ, seed=seed)
+    if state is not None:
+        reader.load_state_dict(state)
+    return [i for _ in range(batches) for i in _record_ids(tok, reader.next_batch()["input_ids"])]
+
+
+def test_each_epoch_its_own_order_and_a_resume_reproduces_it(ray_session, tmp_path):
+    path, tok = _data(tmp_path), st.tokenizer("chatml")
+    per_epoch = RECORDS // 2
+    run = _epoch_orders(path, tok, seed=3, batches=2 * per_epoch)
+    first, second = run[:RECORDS], run[RECORDS:]
+    assert sorted(first) == sorted(second) == list(range(RECORDS))
+    assert first != second  # each epoch reshuffled
+    assert _epoch_orders(path, tok, seed=3, batches=per_epoch) == first  # a restart: the same
+    resumed = _epoch_orders(path, tok, seed=3, batches=5, state={"epoch": 1, "epoch_rows": 10})
+    assert resumed == second[10:20]  # resumed in epoch 2 after 5 of its batches
