@@ -141,17 +141,20 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
+def pack_rows(documents: list, options: SFTOptions, tokenizer, counts: PackCounts | None = None):
+    """``documents`` packed (or padded) into rows as ``options`` ask; ``counts`` updated."""
+    return pack_documents(
+        documents,
+        options.seq_len,
+        pad_token_id(tokenizer),
+        packing=options.packing,
+        split=options.format is Format.TEXT,
+        counts=counts,
+    )
+
+
 def _pack(documents: list, options: SFTOptions, tokenizer, counts: PackCounts) -> None:
+    """Pack and count ``documents`` (a pending batch), then empty the list."""
     if documents:
-        batch = PackCounts()
-        pack_documents(
-            documents,
-            options.seq_len,
-            pad_token_id(tokenizer),
-            packing=options.packing,
-            split=options.format is Format.TEXT,
-            counts=batch,
-        )
-        for name, value in batch.as_dict().items():
-            setattr(counts, name, getattr(counts, name) + value)
+        pack_rows(documents, options, tokenizer, counts)
     documents.clear()

@@ -22,10 +22,15 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ray_fsdp_backend.sft import check_cache
-from ray_fsdp_backend.sft.check import RECORDS_PER_BATCH, RecordCheck, check_records, pad_token_id
-from ray_fsdp_backend.sft.packing import PackCounts, pack_documents
+from ray_fsdp_backend.sft.check import (
+    RECORDS_PER_BATCH,
+    RecordCheck,
+    check_records,
+    pack_rows,
+    pad_token_id,
+)
+from ray_fsdp_backend.sft.packing import PackCounts
 from ray_fsdp_backend.sft.records import (
-    Format,
     RawRecord,
     SFTDataError,
     SFTOptions,
@@ -138,14 +143,7 @@ def rows_from_batch(batch, tokenizer, options: SFTOptions, counts: PackCounts | 
     for where, text in zip(places, texts, strict=True):
         raw = RawRecord(where, text)
         documents.append(render_record(parse_record(raw), tokenizer, options, where))
-    return pack_documents(
-        documents,
-        options.seq_len,
-        pad_token_id(tokenizer),
-        packing=options.packing,
-        split=options.format is Format.TEXT,
-        counts=counts,
-    )
+    return pack_rows(documents, options, tokenizer, counts)
 
 
 def counts_from_batch(batch, tokenizer, options: SFTOptions) -> dict[str, np.ndarray]:
