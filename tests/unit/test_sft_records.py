@@ -161,3 +161,37 @@ def test_the_check_is_cached_by_content(tmp_path, monkeypatch):
     with pytest.raises(SFTDataError, match=r"a\.jsonl:10: "):  # the refusal is cached too
         check_sft_source(path, st.tokenizer(), seq_len=64)
     assert len(calls) == 3
+
+
+def test_validate_and_train_commands_refuse_record_25_before_ray(chat_model, tmp_path):
+    """The commands themselves, in a fresh interpreter: the error names the
+    line, and neither command has imported Ray when it refuses."""
+    import os
+    import subprocess
+
+    data = _write_jsonl(tmp_path / "train.jsonl", _forty(BAD["role typo"][0]))
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        "distributed: {}\n"
+        f"model: {{pretrained: {chat_model}, seq_len: 128}}\n"
+        f"data: {{format: chat, path: {data}, packing: true}}\n"
+        "train: {steps: 1, micro_batch_size: 1}\nscaling: {num_workers: 1}\n"
+    )
+    probe = (
+        "import sys; from ray_fsdp_backend.cli.main import main\n"
+        "try:\n    code = main(sys.argv[1:])\nexcept ValueError as exc:\n"
+        "    print(exc); code = 3\n"
+        "print('ray imported:', 'ray' in sys.modules); sys.exit(code)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "RFB_CACHE_DIR": str(tmp_path / "c")}
+    for command in ("validate", "train"):
+        out = subprocess.run(
+            [sys.executable, "-c", probe, command, str(config)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.returncode != 0, out.stdout + out.stderr
+        assert f"{data}:25: message 1 has role 'bot'" in out.stdout + out.stderr, out
+        assert "ray imported: False" in out.stdout, out.stdout
