@@ -11,7 +11,8 @@ Measured:
   Ray Data stage does;
 - ``ray_data``: ``rfb.sft_dataset(...)`` on a local Ray cluster of
   ``--cpus`` CPUs, every row iterated (``iter_batches``), from the call to
-  the last row (the driver's check of the first records included);
+  the last row (the driver's check of every record included: it renders
+  the whole dataset once per set of options, then is cached by content);
 - packing: the padded fraction of row tokens with packing (first-fit
   decreasing over batches of 1,024 records) and without (one record a row).
 
