@@ -245,7 +245,12 @@ def sft_stats(path, tokenizer, *, filesystem=None, **kwargs) -> dict[str, int]:
     checked = check_sft_source(path, tokenizer, filesystem=filesystem, **split, **kwargs)
     options = _options(**kwargs)
     fn = partial(counts_from_batch, tokenizer=tokenizer, options=options)
-    records = read_records(checked.source, split.get("eval_fraction"), split.get("seed", 0))
+    records = read_records(
+        checked.source,
+        split.get("eval_fraction"),
+        split.get("seed", 0),
+        split.get("split", "train"),
+    )
     counts = records.map_batches(fn, batch_size=RECORDS_PER_BATCH, batch_format="pyarrow")
     names = list(PackCounts().as_dict())
     sums = counts.sum(names)

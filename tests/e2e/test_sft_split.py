@@ -109,3 +109,29 @@ def test_each_epoch_its_own_order_and_a_resume_reproduces_it(ray_session, tmp_pa
     assert _epoch_orders(path, tok, seed=3, batches=per_epoch) == first  # a restart: the same
     resumed = _epoch_orders(path, tok, seed=3, batches=5, state={"epoch": 1, "epoch_rows": 10})
     assert resumed == second[10:20]  # resumed in epoch 2 after 5 of its batches
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_tool_call_arguments_through_ray_data_are_the_files_json(ray_session, tmp_path, kind):
+    """Argument keys differ across records; Arrow would merge them and fill
+    ``null``: the rows Ray Data builds train each record's arguments as written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.unit.test_sft_conversation import ARGUMENTS, TOOL_TEMPLATE, _tool_record
+
+    records = [_tool_record(a) for a in ARGUMENTS]
+    path = tmp_path / f"tools.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        pq.write_table(pa.Table.from_pylist(records), path)
+    tok = st.tokenizer("chatml")
+    tok.chat_template = TOOL_TEMPLATE
+    rows = rfb.sft_dataset(path, tok, seq_len=512, packing=False).take_all()
+    trained = sorted(tok.decode(r["labels"][r["labels"] != -100]) for r in rows)
+    want = sorted(
+        f"<tool_call>weather {json.dumps(a)}</tool_call><|im_end|>\nSunny.<|im_end|>\n"
+        for a in ARGUMENTS
+    )
+    assert trained == want
