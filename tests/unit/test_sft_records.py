@@ -195,3 +195,22 @@ def test_validate_and_train_commands_refuse_record_25_before_ray(chat_model, tmp
         assert out.returncode != 0, out.stdout + out.stderr
         assert f"{data}:25: message 1 has role 'bot'" in out.stdout + out.stderr, out
         assert "ray imported: False" in out.stdout, out.stdout
+
+
+def test_row_errors_count_rows_per_rank_at_the_largest_worker_count():
+    from ray_fsdp_backend.trainer.schema.options import DataOptions, ScalingOptions, TrainOptions
+    from ray_fsdp_backend.trainer.schema.sft import row_errors
+
+    data = DataOptions(format="chat", path="d.jsonl")
+    train = TrainOptions(micro_batch_size=4)
+    elastic = ScalingOptions(num_workers=[2, 4])
+    assert row_errors(data, {"train": 16}, train, elastic, 1) == []
+    errors = row_errors(data, {"train": 15}, train, elastic, 1)
+    assert len(errors) == 1 and "3 per data-parallel rank at 4 rank(s)" in errors[0], errors
+    assert row_errors(data, {"train": 8}, train, elastic, 2) == []  # tp 2: 2 dp ranks
+    gbs = TrainOptions(micro_batch_size=8, global_batch_size=8)  # 2 per rank at 4 ranks
+    assert row_errors(data, {"train": 8}, gbs, elastic, 1) == []
+    assert (
+        "held-out set has no row"
+        in row_errors(data, {"train": 99, "eval": 0}, train, elastic, 1)[0]
+    )

@@ -28,7 +28,7 @@ def _errors(data=None, model=None, train=None) -> list[str]:
         ({"format": "xml"}, {}, "format='xml' is not one of text, chat, prompt_completion"),
         ({"train_on_prompt": "yes"}, {}, "train_on_prompt='yes' must be true or false"),
         ({"packing": 1}, {}, "packing=1 must be true or false"),
-        ({"messages_field": ""}, {}, "messages_field='' must be a record field's name"),
+        ({"messages_field": ""}, {}, "messages_field='' must be a record field's name or null"),
         ({"prompt_field": 3}, {}, "prompt_field=3 must be a record field's name"),
         ({"eval_fraction": 1.5}, {}, "eval_fraction=1.5 must be a number between 0 and 1"),
         ({"eval_fraction": 0}, {}, "eval_fraction=0 must be a number between 0 and 1"),
@@ -36,6 +36,9 @@ def _errors(data=None, model=None, train=None) -> list[str]:
         ({}, {"eval_every": -1}, "eval_every=-1 must be a non-negative number"),
         ({}, {"eval_every": 2.5}, "eval_every=2.5 must be a non-negative int"),
         ({"formt": "chat"}, {}, "formt"),
+        ({"roles": {"human": 1}}, {}, "roles={'human': 1} must map the dataset's role names"),
+        ({"tools_field": ""}, {}, "tools_field='' must be a record field's name"),
+        ({"messages_field": 3}, {}, "messages_field=3 must be a record field's name or null"),
     ],
 )
 def test_bad_values_name_the_key_and_value(data, train, words):
