@@ -36,12 +36,20 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RFB_CACHE_DIR", str(tmp_path / "cache"))
 
 
+def _name(i: int) -> str:
+    """Record ``i``'s name in words (the tiny checkpoint's tokenizer has no digits)."""
+    return f"{st.WORDS[i % 12]} {st.WORDS[i // 12]}"
+
+
+NAMES = {_name(i): i for i in range(RECORDS)}
+
+
 def _data(tmp_path) -> str:
     path = tmp_path / "train.jsonl"
     with open(path, "w") as f:
         for i in range(RECORDS):
             messages = [
-                {"role": "user", "content": f"record {i}: {st.WORDS[i % 12]}?"},
+                {"role": "user", "content": f"record {_name(i)}: {st.WORDS[i % 12]}?"},
                 {"role": "assistant", "content": st.WORDS[(i * 5) % 12]},
             ]
             f.write(json.dumps({"messages": messages}) + "\n")
@@ -60,7 +68,7 @@ def _record_ids(tok, rows) -> list[int]:
     ids = []
     for row in rows:
         text = tok.decode(np.asarray(row), skip_special_tokens=False)
-        ids.append(int(re.search(r"record (\d+):", text).group(1)))
+        ids.append(NAMES[re.search(r"record ([a-z]+ [a-z]+):", text).group(1)])
     return ids
 
 
@@ -135,3 +143,29 @@ def test_tool_call_arguments_through_ray_data_are_the_files_json(ray_session, tm
         for a in ARGUMENTS
     )
     assert trained == want
+
+
+def test_the_trainer_holds_out_the_records_the_library_does(ray_session, tmp_path):
+    """``data.eval_fraction`` with ``train.seed``: the trainer's two datasets
+    hold the library's split of the records (another tokenizer, same records)."""
+    from ray_fsdp_backend.hf.metadata import load_tokenizer
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
+    from ray_fsdp_backend.trainer.data.sft import build_sft_datasets
+    from ray_fsdp_backend.trainer.schema.spec import build_spec
+
+    model, path = save_tiny_pretrained("llama", tmp_path / "m", chat=True), _data(tmp_path)
+    doc = {
+        "distributed": {},
+        "model": {"pretrained": model, "seq_len": SEQ},
+        "data": {"format": "chat", "path": path, "eval_fraction": 0.25},
+        "train": {"micro_batch_size": 1, "seed": 5},
+        "scaling": {"num_workers": 1},
+    }
+    datasets = build_sft_datasets(build_spec(doc, torch_config=False))
+    tok = load_tokenizer(model)
+    got = {
+        k: sorted(_record_ids(tok, [r["input_ids"] for r in d.take_all()]))
+        for k, d in datasets.items()
+    }
+    assert got["eval"] == sorted(_split(path, st.tokenizer("chatml"), "eval"))
+    assert sorted(got["train"] + got["eval"]) == list(range(RECORDS))
