@@ -51,6 +51,8 @@ class RecordCheck:
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
+    read: int = 0
+    """Records read, the refused included."""
     source: Source | None = field(default=None, compare=False, repr=False)
     """The files checked (not cached: resolved again each time)."""
 
@@ -60,6 +62,7 @@ class RecordCheck:
             "counts": self.counts,
             "problems": self.problems,
             "problem_count": self.problem_count,
+            "read": self.read,
         }
 
     def rows(self, split: str = "train") -> int:
@@ -71,12 +74,12 @@ class RecordCheck:
             self.problems.append(message)
 
     def summary(self) -> str:
-        """One line of counts per split that has records."""
-        lines = []
+        """The records read and refused, then the counts of each split that has records."""
+        lines = [f"{self.read} records read, {self.problem_count} refused"]
         for split, c in self.counts.items():
             if c["records"] or split == "train":
                 lines.append(
-                    f"{split}: {c['records']} records read, {c['documents']} rendered, "
+                    f"{split}: {c['records']} records, {c['documents']} rendered, "
                     f"{c['truncated']} truncated to seq_len, {c['dropped']} dropped (no target "
                     f"left within seq_len), {c['rows']} rows, {c['padding']} padding tokens"
                 )
@@ -89,7 +92,7 @@ class RecordCheck:
         listed = "\n  ".join([*self.problems, *more])
         return SFTDataError(
             f"{self.problem_count} record(s) of {path} cannot be trained as written:\n  "
-            f"{listed}\n  (counts of the records that passed: {self.summary()})"
+            f"{listed}\n  (counts: {self.summary()})"
         )
 
 
@@ -103,6 +106,7 @@ def check_records(
     pending: dict[str, list] = {split: [] for split in SPLITS}
     for file in source.files:
         for raw in open_records(source, file):
+            result.read += 1
             split = "eval" if is_held_out(raw, eval_fraction, seed) else "train"
             document = _document(raw, tokenizer, options, result)
             if document is None:

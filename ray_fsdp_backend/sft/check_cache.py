@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ray_fsdp_backend.sft.records import Source
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bumped when what the check computes changes."""
 
 

@@ -110,7 +110,7 @@ def test_many_problems_are_cut_with_a_count_and_the_counts_follow(tmp_path):
     message = str(info.value)
     assert message.startswith(f"30 record(s) of {path} cannot be trained as written")
     assert message.count("has role 'bot'") == 20 and "... and 10 more problem record(s)" in message
-    assert "train: 30 records read, 30 rendered" in message
+    assert "60 records read, 30 refused; train: 30 records, 30 rendered" in message
 
 
 def test_counts_match_what_the_workers_functions_make(tmp_path):
