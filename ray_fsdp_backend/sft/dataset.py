@@ -52,6 +52,8 @@ def check_sft_source(
     messages_field: str = "messages",
     prompt_field: str = "prompt",
     completion_field: str = "completion",
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
     filesystem: pafs.FileSystem | None = None,
     records_per_file: int = CHECKED_RECORDS,
 ) -> Source:
@@ -76,12 +78,14 @@ def check_sft_source(
         messages_field=messages_field,
         prompt_field=prompt_field,
         completion_field=completion_field,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
     )
-    if options.format is Format.CHAT and not has_chat_template(tokenizer):
+    if options.format is Format.CHAT and not has_chat_template(tokenizer, options):
         raise SFTDataError(
             f"format 'chat' needs a tokenizer with a chat_template; "
             f"{type(tokenizer).__name__} {getattr(tokenizer, 'name_or_path', '')!r} has none: "
-            "set tokenizer.chat_template or use format 'prompt_completion' / 'text'"
+            "set chat_template or use format 'prompt_completion' / 'text'"
         )
     source = resolve_source(path, filesystem)
     seen = 0
@@ -131,7 +135,7 @@ def rows_from_batch(batch, tokenizer, options: SFTOptions, counts: PackCounts | 
     for i in range(table.num_rows):
         record = {f: columns[f][i] for f in keep}
         where = f"a record of {paths[i]!r}" if paths else f"record {i} of a batch"
-        documents.append(render_record(record, tokenizer, options, where))
+        documents.extend(render_record(record, tokenizer, options, where))
     return pack_documents(
         documents,
         options.seq_len,
@@ -168,6 +172,8 @@ def sft_dataset(
     messages_field: str = "messages",
     prompt_field: str = "prompt",
     completion_field: str = "completion",
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
     filesystem: pafs.FileSystem | None = None,
 ):
     """A ``ray.data.Dataset`` of supervised fine-tuning rows from chat,
@@ -188,6 +194,10 @@ def sft_dataset(
         packing: several documents a row (first-fit decreasing); else one a row.
         train_on_prompt: the loss on every token, not only the answers.
         messages_field, prompt_field, completion_field: record field names.
+        chat_template: a Jinja template, or the path of a file holding one,
+            replacing the tokenizer's (docs/sft-rows.md).
+        chat_template_kwargs: keyword arguments of every template call
+            (``{"enable_thinking": False}``).
         filesystem: a ``pyarrow.fs`` filesystem ``path`` lives on.
 
     Raises:
@@ -201,6 +211,8 @@ def sft_dataset(
         messages_field=messages_field,
         prompt_field=prompt_field,
         completion_field=completion_field,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
     )
     source = check_sft_source(path, tokenizer, filesystem=filesystem, **kwargs)
     return rows_from_records(read_records(source), tokenizer, _options(**kwargs))

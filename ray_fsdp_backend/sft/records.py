@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from ray_fsdp_backend.sft.templates import read_chat_template
 from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -52,6 +53,10 @@ class SFTOptions:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     text_field: str = "text"
+    chat_template: str | None = None
+    """The template text replacing the tokenizer's (``build`` reads a file path)."""
+    chat_template_kwargs: dict | None = None
+    """Keyword arguments of every template call (``enable_thinking``, ...)."""
 
     @classmethod
     def build(cls, *, format: str | Format, seq_len: int, **kwargs) -> SFTOptions:
@@ -63,6 +68,16 @@ class SFTOptions:
             raise ValueError(f"format={format!r} is not one of {allowed}") from None
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
+        if kwargs.get("chat_template") is not None:
+            kwargs["chat_template"] = read_chat_template(kwargs["chat_template"])
+        template_kwargs = kwargs.get("chat_template_kwargs")
+        if template_kwargs is not None and not (
+            isinstance(template_kwargs, dict) and all(isinstance(k, str) for k in template_kwargs)
+        ):
+            raise ValueError(
+                f"chat_template_kwargs={template_kwargs!r} must map names to values "
+                "(keyword arguments of the chat template, e.g. {enable_thinking: false})"
+            )
         return cls(format=fmt, seq_len=seq_len, **kwargs)
 
     @property
@@ -219,7 +234,13 @@ def clean_messages(messages, where: str) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise SFTDataError(f"{where} message {i} has no string 'role': {message!r:.120}")
+        cleaned = {k: v for k, v in message.items() if v is not None}
         if message.get("content") is None:
-            raise SFTDataError(f"{where} message {i} (role {message['role']!r}) has no 'content'")
-        out.append({k: v for k, v in message.items() if v is not None})
+            if not message.get("tool_calls"):
+                raise SFTDataError(
+                    f"{where} message {i} (role {message['role']!r}) has no 'content' "
+                    "(null content needs tool_calls)"
+                )
+            cleaned["content"] = None  # transformers renders it: templates test `is none`
+        out.append(cleaned)
     return out
