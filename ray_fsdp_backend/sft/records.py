@@ -241,6 +241,5 @@ def clean_messages(messages, where: str) -> list[dict]:
                     f"{where} message {i} (role {message['role']!r}) has no 'content' "
                     "(null content needs tool_calls)"
                 )
-            cleaned["content"] = None  # transformers renders it: templates test `is none`
         out.append(cleaned)
     return out

@@ -49,6 +49,7 @@ IGNORE_INDEX = -100
 Spans = list[tuple[int, int]]
 Document = tuple[np.ndarray, np.ndarray]
 
+_REASONING_OPEN = "<think>"
 _EMPTY_REASONING = re.compile(r"\s*(<think>)?\s*</think>\s*")
 """A reasoning block with nothing in it, at a turn's start (its ``<think>``
 may end the prompt: DeepSeek-R1's generation prompt pre-fills it)."""
@@ -156,24 +157,26 @@ def chat_documents(
 @dataclass(frozen=True)
 class Turn:
     """Assistant turn ``index`` rendered as the last message: ``text`` ends
-    with it, ``prompt_end`` is where its generation prompt ends, ``start``
-    where its target starts (after an empty reasoning block)."""
+    with it, ``start`` is where its target starts (after the generation prompt
+    and an empty reasoning block), ``context_end`` where the text before an
+    empty reasoning block ends (``start`` when there is none)."""
 
     index: int
     text: str
-    prompt_end: int
+    context_end: int
     start: int
 
     def span_in(self, whole: str) -> tuple[int, int] | None:
-        """Where ``whole`` holds this turn's target after the same prompt;
-        None when the template renders the turn differently there. A history
-        turn that only loses an empty reasoning block (Qwen3) is in place."""
+        """Where ``whole`` holds this turn's target; None when the template
+        renders the turn differently there. A history turn that differs only
+        by an empty reasoning block it lacks (Qwen3, Qwen3.5, DeepSeek) is
+        in place: the same context, the same target."""
         if whole.startswith(self.text):
             return self.start, len(self.text)
-        prompt, target = self.text[: self.prompt_end], self.text[self.start :]
-        if self.start > self.prompt_end and whole.startswith(prompt):
-            if whole.startswith(target, len(prompt)):
-                return len(prompt), len(prompt) + len(target)
+        context, target = self.text[: self.context_end], self.text[self.start :]
+        if self.start > self.context_end and whole.startswith(context):
+            if whole.startswith(target, len(context)):
+                return len(context), len(context) + len(target)
         return None
 
 
@@ -208,11 +211,27 @@ def last_turn(renderer: ChatRenderer, messages: list[dict], i: int, where: str) 
             "to a training template whose generation prompt starts each turn "
             "(docs/sft-rows.md, 'What each family trains')"
         )
-    start = len(prompt)
+    start = context_end = len(prompt)
     empty = _EMPTY_REASONING.match(text, start)
-    if empty and (empty.group(1) or prompt.rstrip().endswith("<think>")):
+    if empty and empty.group(1):
         start = empty.end()
-    return Turn(i, text, len(prompt), start)
+    elif empty and prompt.rstrip().endswith(_REASONING_OPEN):
+        context_end, start = prompt.rstrip().rindex(_REASONING_OPEN), empty.end()
+    _check_tool_calls(messages[i], text[start:], i, where)
+    return Turn(i, text, context_end, start)
+
+
+def _check_tool_calls(message: dict, target: str, i: int, where: str) -> None:
+    """Refuse a turn whose tool calls the template does not write (DeepSeek-R1
+    and Phi-3 drop them without a word): the model would learn to call nothing."""
+    for call in message.get("tool_calls") or ():
+        name = (call.get("function") or call).get("name") if isinstance(call, dict) else None
+        if isinstance(name, str) and name not in target:
+            raise SFTDataError(
+                f"{where}: assistant turn {i} calls {name!r} but the chat template does not "
+                "render its tool_calls (this template does not support tool calling); "
+                "set chat_template to one that does"
+            )
 
 
 def tokenize_spans(tokenizer, text: str, spans: Spans, *, add_special_tokens: bool) -> Document:
