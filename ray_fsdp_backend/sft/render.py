@@ -205,8 +205,8 @@ def last_turn(renderer: ChatRenderer, messages: list[dict], i: int, where: str) 
         raise SFTDataError(
             f"{where}: assistant turn {i} does not follow its own generation prompt: the "
             f"template's prompt ends {prompt[-40:]!r} but the turn renders as "
-            f"{text[max(0, len(prompt) - 40) : len(prompt) + 20]!r}, so what the model writes cannot "
-            "be found. Check chat_template_kwargs (enable_thinking=False pre-fills an empty "
+            f"{text[max(0, len(prompt) - 40) : len(prompt) + 20]!r}, so what the model writes "
+            "cannot be found. Check chat_template_kwargs (enable_thinking=False pre-fills an empty "
             "reasoning block: a turn with reasoning cannot follow it) or set chat_template "
             "to a training template whose generation prompt starts each turn "
             "(docs/sft-rows.md, 'What each family trains')"
