@@ -3,8 +3,9 @@ package swaps in for families whose own template cannot show a trained turn.
 
 ``chat_template`` (``data.chat_template``) is a template string or the path
 of a file holding one; it replaces the tokenizer's. The text is then matched
-against :data:`TRAINING_PATCHES`: a template holding a patch's ``old`` text
-(the family's template, byte for byte) is rendered with ``new`` in its place.
+against :data:`TRAINING_PATCHES`: where a template holds a patch's ``old``
+text (a piece of the family's template, byte for byte) it is rendered with
+``new`` in its place.
 Each patch changes how the *last* assistant turn renders, never the history,
 so every turn is still trained as the model sees it at inference
 (docs/sft-rows.md, "What each family trains"). Nothing here imports
@@ -53,6 +54,16 @@ _DEEPSEEK_NEW = (
     "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{% endif %}"
 )
 
+# DeepSeek-V3's tool-call turn renders "<｜Assistant｜>" then the calls: as the
+# last turn it now follows the pre-filled "<think>\n" with an empty reasoning
+# block (context, not a target), as the model writes it. (The patch sits in
+# the loop over the calls, where `loop.last` is the last call.)
+_DEEPSEEK_CALL_OLD = "{{'<｜Assistant｜>' + message['content'] + '<｜tool▁calls▁begin｜>"
+_DEEPSEEK_CALL_NEW = (
+    "{{'<｜Assistant｜>' + ('<think>\\n\\n</think>\\n\\n' if message is sameas messages[-1] "
+    "and not add_generation_prompt else '') + message['content'] + '<｜tool▁calls▁begin｜>"
+)
+
 # Mistral-7B-Instruct-v0.3: the system prompt is written into the user turn
 # that is the conversation's last message, so a conversation that ends with
 # the answer has no system prompt at all while the answer's generation prompt
@@ -66,6 +77,7 @@ _MISTRAL_NEW = (
 
 TRAINING_PATCHES = (
     TrainingPatch("deepseek-r1 / deepseek-v3", _DEEPSEEK_OLD, _DEEPSEEK_NEW),
+    TrainingPatch("deepseek-v3 tool calls", _DEEPSEEK_CALL_OLD, _DEEPSEEK_CALL_NEW),
     TrainingPatch("mistral-v0.3", _MISTRAL_OLD, _MISTRAL_NEW),
 )
 
@@ -92,10 +104,12 @@ def read_chat_template(value: str | os.PathLike) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def training_template(template: str) -> tuple[str, str | None]:
-    """``(text, family)``: ``template`` with its family's training patch
-    applied, and the family's name (None: no patch, the template as it is)."""
+def training_template(template: str) -> tuple[str, tuple[str, ...]]:
+    """``(text, patches)``: ``template`` with every training patch whose text
+    it holds applied, and their names (none: the template as it is)."""
+    applied = []
     for patch in TRAINING_PATCHES:
         if patch.old in template:
-            return template.replace(patch.old, patch.new), patch.family
-    return template, None
+            template = template.replace(patch.old, patch.new)
+            applied.append(patch.family)
+    return template, tuple(applied)
