@@ -18,6 +18,8 @@ def sft_options(data, seq_len: int) -> dict[str, Any]:
         messages_field=data.messages_field,
         prompt_field=data.prompt_field,
         completion_field=data.completion_field,
+        chat_template=data.chat_template,
+        chat_template_kwargs=data.chat_template_kwargs,
     )
 
 
