@@ -163,3 +163,29 @@ def test_family_templates_through_ray_data_from_jsonl_and_parquet(ray_session, t
             if not (labels == -100).all()
         ]
         assert sorted(documents) == expected
+
+
+def test_a_small_datasets_rows_are_built_once_for_every_epoch(ray_session, tmp_path):
+    """``ray-fsdp train``'s SFT datasets: the training rows of a small record
+    set are materialised (an epoch reads the object store, not the records),
+    a set above the bound streams from the records each epoch."""
+    from ray.data.dataset import MaterializedDataset
+
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.trainer.data.sft import build_sft_datasets, records_bytes
+    from ray_fsdp_backend.trainer.schema.spec import build_spec
+
+    model = save_tiny_pretrained("llama", tmp_path / "chat", chat=True)
+    files = save_tiny_chat_data(tmp_path / "data")
+    doc = {
+        "distributed": {"use_mixed_precision": False},
+        "model": {"pretrained": model, "seq_len": 128},
+        "data": {"format": "chat", "path": files["train"], "packing": True},
+    }
+    spec = build_spec(doc, torch_config=False)
+    small = build_sft_datasets(spec)["train"]
+    assert isinstance(small, MaterializedDataset) and small.count() > 0
+    size = records_bytes(files["train"])
+    large = build_sft_datasets(spec, small_bytes=size - 1)["train"]
+    assert not isinstance(large, MaterializedDataset)
+    assert sorted(map(repr, large.take_all())) == sorted(map(repr, small.take_all()))
