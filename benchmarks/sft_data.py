@@ -95,8 +95,9 @@ def in_process(directory: str, tokenizer, seq_len: int) -> dict:
             records += [json.loads(line) for line in f]
     start, counts = time.perf_counter(), PackCounts()
     for a in range(0, len(records), 1024):
-        docs = [render_record(r, tokenizer, options, "bench") for r in records[a : a + 1024]]
-        pack_documents(docs, seq_len, tokenizer.pad_token_id, counts=counts)
+        batch = records[a : a + 1024]
+        docs = [d for r in batch for d in render_record(r, tokenizer, options, "bench")]
+        pack_documents(docs, seq_len, tokenizer.pad_token_id, counts=counts, records=len(batch))
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens_per_s": counts.tokens / seconds, **counts.as_dict()}
 

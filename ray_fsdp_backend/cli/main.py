@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ray_fsdp_backend.cli.hints import setup_commands
 from ray_fsdp_backend.cli.plan_report import format_elastic_plan, format_plan, model_config_from_hf
 from ray_fsdp_backend.compat.optional_imports import keep_torchao_unimported
 from ray_fsdp_backend.planning.elastic import worker_range
@@ -127,6 +128,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"{path}: {len(errors)} error{'s' if len(errors) > 1 else ''}")
             for error in errors:
                 print(f"  - {error}")
+            commands = setup_commands(path)
+            if commands:
+                print("  its comments create what it reads first:")
+                for command in commands:
+                    print(f"    {command}")
         else:
             print(f"{path}: OK")
     return 1 if failed else 0

@@ -4,7 +4,8 @@ packed token rows on Ray Data (docs/sft.md).
 - :mod:`.options`: the format and options, checked;
 - :mod:`.records`: where records come from, each record's place and text;
 - :mod:`.conversation`: what a record must hold, as messages;
-- :mod:`.render`: a record to tokens and loss labels, through the chat template;
+- :mod:`.render`: a record to token documents and loss labels, through the chat template;
+- :mod:`.templates`: ``chat_template`` read, the families' training patches;
 - :mod:`.packing`: PURE, token documents to fixed-length rows;
 - :mod:`.check`, :mod:`.check_cache`: every record checked on the driver, cached;
 - :mod:`.dataset`: the Ray Data pipeline.

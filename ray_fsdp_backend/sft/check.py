@@ -103,37 +103,37 @@ def check_records(
     workers will (see the module docstring); nothing raised for a record."""
     result = RecordCheck()
     totals = {split: PackCounts() for split in SPLITS}
-    pending: dict[str, list] = {split: [] for split in SPLITS}
+    pending = {split: _Batch() for split in SPLITS}
     for file in source.files:
         for raw in open_records(source, file):
             result.read += 1
             split = "eval" if is_held_out(raw, eval_fraction, seed) else "train"
-            document = _document(raw, tokenizer, options, result)
-            if document is None:
+            documents = _documents(raw, tokenizer, options, result)
+            if documents is None:
                 continue
-            pending[split].append(document)
-            if len(pending[split]) == RECORDS_PER_BATCH:
-                _pack(pending[split], options, tokenizer, totals[split])
+            pending[split].add(documents)
+            if pending[split].records == RECORDS_PER_BATCH:
+                pending[split].pack(options, tokenizer, totals[split])
     for split in SPLITS:
-        _pack(pending[split], options, tokenizer, totals[split])
+        pending[split].pack(options, tokenizer, totals[split])
         result.counts[split] = totals[split].as_dict()
     return result
 
 
-def _document(raw, tokenizer, options: SFTOptions, result: RecordCheck):
-    """The record's ``(input_ids, labels)``, or None with its problem noted."""
+def _documents(raw, tokenizer, options: SFTOptions, result: RecordCheck):
+    """The record's ``(input_ids, labels)`` documents, or None with its problem noted."""
     try:
-        ids, labels = render_record(parse_record(raw), tokenizer, options, raw.where)
+        documents = render_record(parse_record(raw), tokenizer, options, raw.where)
     except SFTDataError as exc:
         result.add_problem(str(exc))
         return None
-    if not (labels[1:] != IGNORE_INDEX).any():
+    if not any((labels[1:] != IGNORE_INDEX).any() for _, labels in documents):
         result.add_problem(
             f"{raw.where}: no trainable token (no assistant turn of weight 1, or an empty "
             "completion); such a record teaches nothing"
         )
         return None
-    return ids, labels
+    return documents
 
 
 def pad_token_id(tokenizer) -> int:
@@ -145,8 +145,15 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def pack_rows(documents: list, options: SFTOptions, tokenizer, counts: PackCounts | None = None):
-    """``documents`` packed (or padded) into rows as ``options`` ask; ``counts`` updated."""
+def pack_rows(
+    documents: list,
+    options: SFTOptions,
+    tokenizer,
+    counts: PackCounts | None = None,
+    records: int | None = None,
+):
+    """``documents`` (of ``records`` records; None: one each) packed (or
+    padded) into rows as ``options`` ask; ``counts`` updated."""
     return pack_documents(
         documents,
         options.seq_len,
@@ -154,11 +161,23 @@ def pack_rows(documents: list, options: SFTOptions, tokenizer, counts: PackCount
         packing=options.packing,
         split=options.format is Format.TEXT,
         counts=counts,
+        records=records,
     )
 
 
-def _pack(documents: list, options: SFTOptions, tokenizer, counts: PackCounts) -> None:
-    """Pack and count ``documents`` (a pending batch), then empty the list."""
-    if documents:
-        pack_rows(documents, options, tokenizer, counts)
-    documents.clear()
+@dataclass
+class _Batch:
+    """The documents of the records pending for one split's next pack."""
+
+    documents: list = field(default_factory=list)
+    records: int = 0
+
+    def add(self, documents: list) -> None:
+        self.documents.extend(documents)
+        self.records += 1
+
+    def pack(self, options: SFTOptions, tokenizer, counts: PackCounts) -> None:
+        """Pack and count the batch, then empty it."""
+        if self.documents:
+            pack_rows(self.documents, options, tokenizer, counts, self.records)
+        self.documents, self.records = [], 0

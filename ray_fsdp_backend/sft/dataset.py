@@ -83,11 +83,11 @@ def check_sft_source(
             is wrong (the first 20, and how many more), then the counts.
     """
     opts = _options(**options)
-    if opts.format.is_chat and not has_chat_template(tokenizer):
+    if opts.format.is_chat and not has_chat_template(tokenizer, opts):
         raise SFTDataError(
             f"format {opts.format.value!r} needs a tokenizer with a chat_template; "
             f"{type(tokenizer).__name__} {getattr(tokenizer, 'name_or_path', '')!r} has none: "
-            "set tokenizer.chat_template or use format 'prompt_completion' / 'text'"
+            "set chat_template or use format 'prompt_completion' / 'text'"
         )
     source = resolve_source(path, filesystem)
     settings = {**options, "eval_fraction": eval_fraction, "seed": seed}
@@ -142,8 +142,8 @@ def rows_from_batch(batch, tokenizer, options: SFTOptions, counts: PackCounts | 
     places, texts = batch.column("where").to_pylist(), batch.column("text").to_pylist()
     for where, text in zip(places, texts, strict=True):
         raw = RawRecord(where, text)
-        documents.append(render_record(parse_record(raw), tokenizer, options, where))
-    return pack_rows(documents, options, tokenizer, counts)
+        documents.extend(render_record(parse_record(raw), tokenizer, options, where))
+    return pack_rows(documents, options, tokenizer, counts, records=len(places))
 
 
 def counts_from_batch(batch, tokenizer, options: SFTOptions) -> dict[str, np.ndarray]:
@@ -174,6 +174,8 @@ def sft_dataset(
     completion_field: str = "completion",
     tools_field: str = "tools",
     roles: dict[str, str] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
     eval_fraction: float | None = None,
     split: str = "train",
     seed: int = 0,
@@ -201,6 +203,10 @@ def sft_dataset(
             (``messages_field`` None: ``messages``, ``conversations`` under sharegpt).
         tools_field: the field of a record's tool schemas, passed to the template.
         roles: the dataset's role names to the template's (``{"bot": "assistant"}``).
+        chat_template: a Jinja template, or the path of a file holding one,
+            replacing the tokenizer's (docs/sft-rows.md).
+        chat_template_kwargs: keyword arguments of every template call
+            (``{"enable_thinking": False}``).
         eval_fraction: hold out this fraction of the records (0 < f < 1), picked
             by a hash of each record's text seeded by ``seed``, before rendering.
         split: ``"train"`` (the records not held out) or ``"eval"`` (the held-out ones).
@@ -222,6 +228,8 @@ def sft_dataset(
         completion_field=completion_field,
         tools_field=tools_field,
         roles=roles,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
     )
     checked = check_sft_source(
         path, tokenizer, eval_fraction=eval_fraction, seed=seed, filesystem=filesystem, **options

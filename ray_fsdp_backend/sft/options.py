@@ -7,6 +7,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ray_fsdp_backend.sft.templates import read_chat_template
+
 
 class SFTDataError(ValueError):
     """A source or a record that cannot become training rows; the message names
@@ -53,6 +55,10 @@ class SFTOptions:
     tools_field: str = "tools"
     roles: Mapping[str, str] = field(default_factory=dict)
     """The dataset's role names to the template's (``{"bot": "assistant"}``)."""
+    chat_template: str | None = None
+    """The template text replacing the tokenizer's (``build`` reads a file path)."""
+    chat_template_kwargs: dict | None = None
+    """Keyword arguments of every template call (``enable_thinking``, ...)."""
 
     @classmethod
     def build(cls, *, format: str | Format, seq_len: int, roles=None, **kwargs) -> SFTOptions:
@@ -64,6 +70,16 @@ class SFTOptions:
             raise ValueError(f"format={format!r} is not one of {allowed}") from None
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
+        if kwargs.get("chat_template") is not None:
+            kwargs["chat_template"] = read_chat_template(kwargs["chat_template"])
+        template_kwargs = kwargs.get("chat_template_kwargs")
+        if template_kwargs is not None and not (
+            isinstance(template_kwargs, dict) and all(isinstance(k, str) for k in template_kwargs)
+        ):
+            raise ValueError(
+                f"chat_template_kwargs={template_kwargs!r} must map names to values "
+                "(keyword arguments of the chat template, e.g. {enable_thinking: false})"
+            )
         return cls(format=fmt, seq_len=seq_len, roles=check_roles(roles), **kwargs)
 
     @property

@@ -81,7 +81,7 @@ def test_tool_call_arguments_train_exactly_the_files_json(tmp_path, kind):
 def _targets(record: dict, tok=None, **options) -> str:
     tok = tok or st.tokenizer()
     opts = SFTOptions.build(seq_len=256, **{"format": "chat", **options})
-    ids, labels = render_record(record, tok, opts, "t.jsonl:1")
+    [(ids, labels)] = render_record(record, tok, opts, "t.jsonl:1")
     return tok.decode(labels[labels != -100]), ids
 
 

@@ -39,6 +39,9 @@ def _errors(data=None, model=None, train=None) -> list[str]:
         ({"roles": {"human": 1}}, {}, "roles={'human': 1} must map the dataset's role names"),
         ({"tools_field": ""}, {}, "tools_field='' must be a record field's name"),
         ({"messages_field": 3}, {}, "messages_field=3 must be a record field's name or null"),
+        ({"chat_template": "no/such.jinja"}, {}, "chat_template='no/such.jinja' is neither"),
+        ({"chat_template": 3}, {}, "chat_template=3 must be a Jinja template or a file path"),
+        ({"chat_template_kwargs": ["x"]}, {}, "chat_template_kwargs=['x'] must map names"),
     ],
 )
 def test_bad_values_name_the_key_and_value(data, train, words):
@@ -212,6 +215,31 @@ def test_bad_records_are_named_before_ray_starts(chat_checkpoints, tmp_path):
     ]
     for errors, words in cases:
         assert len(errors) == 1 and all(w in errors[0] for w in words), (words, errors)
+
+
+MARKED_CHATML = (
+    "{% if marker is not defined %}{{ raise_exception('no marker') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML that refuses to render without the keyword argument ``marker``."""
+
+
+def test_data_chat_template_and_its_kwargs_reach_the_driver_check(chat_checkpoints, tmp_path):
+    """A checkpoint without a template trains chat records with
+    ``data.chat_template`` (a string or a file), rendered with
+    ``data.chat_template_kwargs``."""
+    _, plain, files = chat_checkpoints
+    path = tmp_path / "marked.jinja"
+    path.write_text(MARKED_CHATML)
+    kwargs = {"marker": "on"}
+    for template in (MARKED_CHATML, str(path)):
+        errors = _sft_errors(
+            plain, files["train"], chat_template=template, chat_template_kwargs=kwargs
+        )
+        assert errors == []
+    (error,) = _sft_errors(plain, files["train"], chat_template=str(path))
+    assert "data.path=" in error and "no marker" in error
 
 
 class _Rows:

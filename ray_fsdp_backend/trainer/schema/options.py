@@ -7,6 +7,7 @@ the check of each key's value, which names the key, the value and the rule.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,15 @@ class DataOptions:
     ``format: text``: the corpus's lines, byte-level model and ``corpus``
     source; with ``chat`` / ``prompt_completion``: the records (False: one
     record a row, padded). Composes with Ulysses context parallelism, not ring."""
+    chat_template: str | None = None
+    """``chat`` / ``sharegpt`` / ``alpaca`` / ``prompt_completion``: a Jinja
+    chat template, or the path of a file holding one (relative to where
+    ``ray-fsdp`` runs), used instead of the checkpoint tokenizer's; None: the
+    tokenizer's. The families whose template needs it get their training
+    patch either way (docs/sft-rows.md)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Keyword arguments of every chat-template call, e.g. ``{enable_thinking:
+    false}`` for Qwen3 (the empty reasoning block then sits in the prompt)."""
     eval_path: str | None = None
     """``chat`` / ``prompt_completion``: a held-out dataset in the same
     format; its token-mean loss is logged as ``eval_loss``."""
@@ -251,6 +261,14 @@ def _check_option(key: str, value: Any) -> None:
         raise ValueError(f"roles={value!r} must map the dataset's role names to role names")
     if key == "eval_every" and not isinstance(value, int):
         raise ValueError(f"eval_every={value!r} must be a non-negative int")
+    if key == "chat_template" and value is not None:
+        _check_chat_template(value)
+    if key == "chat_template_kwargs" and value is not None:
+        if not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
+            raise ValueError(
+                f"chat_template_kwargs={value!r} must map names to values "
+                "(the chat template's keyword arguments, e.g. {enable_thinking: false})"
+            )
     if key == "eval_fraction" and value is not None and not (is_number and 0 < value < 1):
         raise ValueError(f"eval_fraction={value!r} must be a number between 0 and 1 or null")
     if key == "resources_per_worker" and value is not None:
@@ -265,6 +283,17 @@ def _is_role_map(value: Any) -> bool:
     return isinstance(value, Mapping) and all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     )
+
+
+def _check_chat_template(value: Any) -> None:
+    """A template string (holds ``{{`` or ``{%``) or a file that exists."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"chat_template={value!r} must be a Jinja template or a file path")
+    if "{{" not in value and "{%" not in value and not os.path.isfile(value):
+        raise ValueError(
+            f"chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') "
+            "nor a file that exists (a relative path is taken from where ray-fsdp runs)"
+        )
 
 
 def options_builder(cls: type, section: str) -> Callable[[Mapping[str, Any]], Any]:

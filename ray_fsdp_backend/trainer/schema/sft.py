@@ -25,6 +25,8 @@ def sft_options(data, seq_len: int) -> dict[str, Any]:
         completion_field=data.completion_field,
         tools_field=data.tools_field,
         roles=data.roles,
+        chat_template=data.chat_template,
+        chat_template_kwargs=data.chat_template_kwargs,
     )
 
 
