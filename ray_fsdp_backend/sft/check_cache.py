@@ -3,7 +3,8 @@ kept per content hash of the files, the tokenizer and the options.
 
 The key hashes every byte of every file (a changed record, even with the same
 size and time, is a new key), the tokenizer's vocabulary, merges, special
-tokens and chat template, and the options that change what a record becomes.
+tokens and chat template, and the options that change what a record becomes
+(a ``chat_template`` file by its text, ``chat_template_kwargs``).
 Entries are small JSON files under ``$RFB_CACHE_DIR`` (default
 ``~/.cache/ray_fsdp_backend``)/``sft_check``, written whole (a temporary
 file renamed), so two processes never read half an entry.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from ray_fsdp_backend.sft.records import Source
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 """Bumped when what the check computes changes."""
 
 

@@ -13,6 +13,7 @@ rows. Nothing is materialised on the driver.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from functools import partial
@@ -90,7 +91,8 @@ def check_sft_source(
             "set chat_template or use format 'prompt_completion' / 'text'"
         )
     source = resolve_source(path, filesystem)
-    settings = {**options, "eval_fraction": eval_fraction, "seed": seed}
+    # the options as checked: a chat_template file's text, not its path
+    settings = {**dataclasses.asdict(opts), "eval_fraction": eval_fraction, "seed": seed}
     key = check_cache.check_key(source, tokenizer, settings) if cache else None
     found = check_cache.load(key, RecordCheck) if key else None
     if found is None:

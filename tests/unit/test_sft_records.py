@@ -214,3 +214,26 @@ def test_row_errors_count_rows_per_rank_at_the_largest_worker_count():
         "held-out set has no row"
         in row_errors(data, {"train": 99, "eval": 0}, train, elastic, 1)[0]
     )
+
+
+def test_the_check_cache_covers_chat_template_and_its_kwargs(tmp_path, monkeypatch):
+    """A template file whose text changes, or other template kwargs, is a new key."""
+    import ray_fsdp_backend.sft.dataset as dataset
+
+    calls = []
+    real = dataset.check_records
+    monkeypatch.setattr(dataset, "check_records", lambda *a: calls.append(1) or real(*a))
+    path = _write_jsonl(tmp_path / "a.jsonl", [_good(i) for i in range(10)])
+    template = tmp_path / "t.jinja"
+    template.write_text(st.CHATML)
+    for _ in range(2):
+        check_sft_source(path, st.tokenizer(), seq_len=64, chat_template=str(template))
+    assert len(calls) == 1
+    template.write_text(st.CHATML.replace("<|im_start|>", "<|im_start|> "))
+    check_sft_source(path, st.tokenizer(), seq_len=64, chat_template=str(template))
+    assert len(calls) == 2
+    kwargs = {"enable_thinking": False}
+    check_sft_source(
+        path, st.tokenizer(), seq_len=64, chat_template=str(template), chat_template_kwargs=kwargs
+    )
+    assert len(calls) == 3
