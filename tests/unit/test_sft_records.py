@@ -216,6 +216,53 @@ def test_row_errors_count_rows_per_rank_at_the_largest_worker_count():
     )
 
 
+def _phi3_multi(i: int) -> dict:
+    """Two exchanges: Phi-3 writes EOS only at the very end, so the first
+    answer renders apart (a document of its own)."""
+    user, answer = {"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hi."}
+    return {"messages": [user, answer, {"role": "user", "content": "Again?"}, ANSWER]}
+
+
+def test_a_record_of_several_documents_counts_once_as_a_record(tmp_path):
+    """The check and the workers' function count records and documents alike
+    when a template renders a history turn apart (two documents a record)."""
+    from ray_fsdp_backend.sft.dataset import records_from_file, rows_from_batch
+    from ray_fsdp_backend.sft.packing import PackCounts
+    from ray_fsdp_backend.sft.records import SFTOptions
+    from tests.sft_families import family_tokenizer
+
+    path = _write_jsonl(tmp_path / "a.jsonl", [_phi3_multi(i) for i in range(12)])
+    tok = family_tokenizer("phi3")
+    checked = check_sft_source(path, tok, seq_len=256)
+    files = pa.table({"path": [path], "bytes": [open(path, "rb").read()]})
+    counts = PackCounts()
+    batch = records_from_file(files, "json", None, 0, "train")
+    rows_from_batch(batch, tok, SFTOptions.build(format="chat", seq_len=256), counts)
+    assert checked.counts["train"] == counts.as_dict()
+    assert (counts.records, counts.documents) == (12, 24)
+    assert "12 records read, 0 refused; train: 12 records, 24 rendered" in checked.summary()
+
+
+def test_weight_zero_leaves_a_turn_rendered_apart_untrained(tmp_path):
+    """Phi-3's first answer renders apart; with weight 0 it is no document at
+    all, and a record whose every answer has weight 0 is refused by the check."""
+    from ray_fsdp_backend.sft.records import SFTOptions
+    from ray_fsdp_backend.sft.render import render_record
+    from tests.sft_families import family_tokenizer
+
+    tok = family_tokenizer("phi3")
+    options = SFTOptions.build(format="chat", seq_len=256)
+    record = _phi3_multi(0)
+    assert len(render_record(record, tok, options, "r")) == 2
+    record["messages"][1]["weight"] = 0
+    [(ids, labels)] = render_record(record, tok, options, "r")
+    assert tok.decode(labels[labels != -100]) == "4<|end|>\n<|endoftext|>"
+    record["messages"][3]["weight"] = 0
+    path = _write_jsonl(tmp_path / "a.jsonl", [_phi3_multi(i) for i in range(3)] + [record])
+    with pytest.raises(SFTDataError, match=r"a\.jsonl:4: no trainable token"):
+        check_sft_source(path, tok, seq_len=256)
+
+
 def test_the_check_cache_covers_chat_template_and_its_kwargs(tmp_path, monkeypatch):
     """A template file whose text changes, or other template kwargs, is a new key."""
     import ray_fsdp_backend.sft.dataset as dataset
