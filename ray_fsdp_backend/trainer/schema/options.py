@@ -118,8 +118,9 @@ class DataOptions:
     """Concatenate documents into ``model.seq_len`` rows, ``position_ids``
     restarting per document; attention never crosses documents. With
     ``format: text``: the corpus's lines, byte-level model and ``corpus``
-    source; with ``chat`` / ``prompt_completion``: the records (False: one
-    record a row, padded). Composes with Ulysses context parallelism, not ring."""
+    source; with records: their documents (one a record, or one per turn its
+    template renders apart; False: one document a row, padded). Composes with
+    Ulysses context parallelism, not ring."""
     chat_template: str | None = None
     """``chat`` / ``sharegpt`` / ``alpaca`` / ``prompt_completion``: a Jinja
     chat template, or the path of a file holding one (relative to where
