@@ -77,7 +77,8 @@ def check_sft_source(
         its ``source`` the files.
 
     Raises:
-        ValueError: a bad option (``format``, ``seq_len``, ``roles``).
+        ValueError: a bad option (``format``, ``seq_len``, ``roles``,
+            ``chat_template``, ``chat_template_kwargs``).
         SFTDataError: no such path, a file that is neither JSON lines nor
             parquet, no chat template under a chat format, no record at all;
             or bad records, each named ``FILE:LINE`` (``FILE#ROW``) with what
