@@ -77,6 +77,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
+    from ray_fsdp_backend.compat.optional_imports import keep_torchao_unimported
+
+    keep_torchao_unimported()  # this process quantises nothing
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
 
     root = tempfile.mkdtemp(prefix="rfb-sft-small-")
