@@ -368,8 +368,12 @@ def build_datasets(spec: RunSpec) -> dict | None:
     import ray.data
 
     # Ray Data draws a progress bar per operator, thousands of lines around a
-    # short run's progress lines: off unless asked for (-v).
-    ray.data.DataContext.get_current().enable_progress_bars = spec.logging.verbose
+    # short run's progress lines, and (Ray 2.60) prints a "Starting execution"
+    # and an "Execution plan" line each time a dataset runs: every epoch of
+    # the training split. Off unless asked for (-v).
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = spec.logging.verbose
+    context.print_on_execution_start = spec.logging.verbose
     if spec.data.is_sft:
         from ray_fsdp_backend.trainer.data.sft import build_sft_datasets
 

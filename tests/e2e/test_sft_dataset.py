@@ -169,8 +169,10 @@ def test_a_small_datasets_rows_are_built_once_for_every_epoch(ray_session, tmp_p
     """``ray-fsdp train``'s SFT datasets: the training rows of a small record
     set are materialised (an epoch reads the object store, not the records),
     a set above the bound streams from the records each epoch."""
+    import ray.data
     from ray.data.dataset import MaterializedDataset
 
+    from ray_fsdp_backend.cli.main import build_datasets
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
     from ray_fsdp_backend.trainer.data.sft import build_sft_datasets, records_bytes
     from ray_fsdp_backend.trainer.schema.spec import build_spec
@@ -183,7 +185,12 @@ def test_a_small_datasets_rows_are_built_once_for_every_epoch(ray_session, tmp_p
         "data": {"format": "chat", "path": files["train"], "packing": True},
     }
     spec = build_spec(doc, torch_config=False)
-    small = build_sft_datasets(spec)["train"]
+    context = ray.data.DataContext.get_current()
+    context.print_on_execution_start = True  # Ray 2.60's default
+    small = build_datasets(spec)["train"]  # what ray-fsdp train builds
+    # each epoch's execution of the split prints no "Starting execution" /
+    # "Execution plan" lines (the quiet console of docs/monitoring.md)
+    assert context.print_on_execution_start is False
     assert isinstance(small, MaterializedDataset) and small.count() > 0
     size = records_bytes(files["train"])
     large = build_sft_datasets(spec, small_bytes=size - 1)["train"]
