@@ -135,8 +135,8 @@ def chat_documents(
     """The conversation's documents, labels on its assistant turns."""
     if not has_chat_template(tokenizer, options):
         raise SFTDataError(
-            f"the tokenizer has no chat_template, which format 'chat' needs ({where}); "
-            "set chat_template or use format 'prompt_completion' / 'text'"
+            f"the tokenizer has no chat_template, which format {options.format.value!r} needs "
+            f"({where}); set chat_template or use format 'prompt_completion' / 'text'"
         )
     renderer = ChatRenderer.build(tokenizer, options, tools)
     try:
