@@ -11,7 +11,8 @@ Measured:
   Ray Data stage does;
 - ``ray_data``: ``rfb.sft_dataset(...)`` on a local Ray cluster of
   ``--cpus`` CPUs, every row iterated (``iter_batches``), from the call to
-  the last row (the driver's check of the first records included);
+  the last row (the driver's check of every record included: it renders
+  the whole dataset once per set of options, then is cached by content);
 - packing: the padded fraction of row tokens with packing (first-fit
   decreasing over batches of 1,024 records) and without (one record a row).
 
@@ -94,8 +95,9 @@ def in_process(directory: str, tokenizer, seq_len: int) -> dict:
             records += [json.loads(line) for line in f]
     start, counts = time.perf_counter(), PackCounts()
     for a in range(0, len(records), 1024):
-        docs = [render_record(r, tokenizer, options, "bench") for r in records[a : a + 1024]]
-        pack_documents(docs, seq_len, tokenizer.pad_token_id, counts=counts)
+        batch = records[a : a + 1024]
+        docs = [d for r in batch for d in render_record(r, tokenizer, options, "bench")]
+        pack_documents(docs, seq_len, tokenizer.pad_token_id, counts=counts, records=len(batch))
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens_per_s": counts.tokens / seconds, **counts.as_dict()}
 

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ray_fsdp_backend.cli.hints import setup_commands
 from ray_fsdp_backend.cli.plan_report import format_elastic_plan, format_plan, model_config_from_hf
 from ray_fsdp_backend.compat.optional_imports import keep_torchao_unimported
 from ray_fsdp_backend.planning.elastic import worker_range
@@ -127,6 +128,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"{path}: {len(errors)} error{'s' if len(errors) > 1 else ''}")
             for error in errors:
                 print(f"  - {error}")
+            commands = setup_commands(path)
+            if commands:
+                print("  its comments create what it reads first:")
+                for command in commands:
+                    print(f"    {command}")
         else:
             print(f"{path}: OK")
     return 1 if failed else 0
@@ -362,8 +368,12 @@ def build_datasets(spec: RunSpec) -> dict | None:
     import ray.data
 
     # Ray Data draws a progress bar per operator, thousands of lines around a
-    # short run's progress lines: off unless asked for (-v).
-    ray.data.DataContext.get_current().enable_progress_bars = spec.logging.verbose
+    # short run's progress lines, and (Ray 2.60) prints a "Starting execution"
+    # and an "Execution plan" line each time a dataset runs: every epoch of
+    # the training split. Off unless asked for (-v).
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = spec.logging.verbose
+    context.print_on_execution_start = spec.logging.verbose
     if spec.data.is_sft:
         from ray_fsdp_backend.trainer.data.sft import build_sft_datasets
 

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from ray_fsdp_backend.compat.optional_imports import keep_torchao_unimported
+
 VOCAB = 96
 CORPUS = os.path.join(os.path.dirname(__file__), "tiny_corpus.txt")
 
@@ -178,6 +180,7 @@ def main(argv=None) -> None:
         help="a chat template, and a chat dataset in PATH/chat (train.jsonl, eval.jsonl)",
     )
     args = parser.parse_args(argv)
+    keep_torchao_unimported()  # nothing here quantises: no torchao load lines
     save_tiny_pretrained(args.kind, args.path, chat=args.chat)
     print(f"wrote a tiny pretrained {args.kind} to {args.path}")
     if args.chat:

@@ -1,43 +1,55 @@
 """The SFT pipeline on Ray Data: files -> records -> token rows, on CPU workers.
 
-Records are read with ``ray.data.read_json`` (JSON lines) or
-``ray.data.read_parquet``; one ``map_batches`` stage renders, tokenizes and
-packs each batch of records (:data:`RECORDS_PER_BATCH`) into rows. The
-pipeline streams: no stage needs the whole dataset, and nothing is
-materialised on the driver. The driver reads only the first records of every
-file (:func:`check_sft_source`) to refuse bad input before any worker starts.
+Before any Ray work, :func:`check_sft_source` reads, renders and packs every
+record on the driver (:mod:`.check`; cached) and refuses bad input naming
+each record (``FILE:LINE`` / ``FILE#ROW``). The workers then read each file
+whole (``ray.data.read_binary_files``) and cut it into records with the same
+function as the check (:func:`~ray_fsdp_backend.sft.records.file_records`),
+keep those of the asked split (``eval_fraction``: a seeded hash of each
+record's text, before rendering), and one ``map_batches`` stage renders,
+tokenizes and packs each batch of records (:data:`RECORDS_PER_BATCH`) into
+rows. Nothing is materialised on the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 from functools import partial
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 
-from ray_fsdp_backend.sft.packing import PackCounts, pack_documents
+from ray_fsdp_backend.sft import check_cache
+from ray_fsdp_backend.sft.check import (
+    RECORDS_PER_BATCH,
+    RecordCheck,
+    check_records,
+    pack_rows,
+    pad_token_id,
+)
+from ray_fsdp_backend.sft.packing import PackCounts
 from ray_fsdp_backend.sft.records import (
-    Format,
+    RawRecord,
     SFTDataError,
     SFTOptions,
     Source,
-    read_head,
+    file_records,
+    is_held_out,
+    parse_record,
     resolve_source,
 )
 from ray_fsdp_backend.sft.render import has_chat_template, render_record
 
-RECORDS_PER_BATCH = 1024
-"""Records packed together: the more, the less padding (one partly filled
-row at most per few rows of a batch); each batch is packed on its own."""
+__all__ = ["RECORDS_PER_BATCH", "check_sft_source", "pad_token_id", "sft_dataset", "sft_stats"]
 
-CHECKED_RECORDS = 16
-"""Records of each file that :func:`check_sft_source` renders on the driver."""
-
-PATH_COLUMN = "path"
+SPLIT_NAMES = ("train", "eval")
+_RECORD_SCHEMA = pa.schema([("where", pa.string()), ("text", pa.string())])
 
 
-def _options(format, seq_len, **kwargs) -> SFTOptions:
+def _options(format="chat", seq_len=None, **kwargs) -> SFTOptions:
     return SFTOptions.build(format=format, seq_len=seq_len, **kwargs)
 
 
@@ -45,101 +57,96 @@ def check_sft_source(
     path: str | os.PathLike,
     tokenizer,
     *,
-    format: str = "chat",
-    seq_len: int,
-    packing: bool = True,
-    train_on_prompt: bool = False,
-    messages_field: str = "messages",
-    prompt_field: str = "prompt",
-    completion_field: str = "completion",
+    eval_fraction: float | None = None,
+    seed: int = 0,
     filesystem: pafs.FileSystem | None = None,
-    records_per_file: int = CHECKED_RECORDS,
-) -> Source:
-    """Refuse bad input on the driver, before any worker starts; returns the source.
+    cache: bool = True,
+    **options,
+) -> RecordCheck:
+    """Every record of ``path`` checked on the driver, before any worker starts.
 
-    Lists the files of ``path`` and renders the first ``records_per_file``
-    records of each with ``tokenizer``, as the workers will. Arguments as
-    :func:`sft_dataset`.
+    Reads, renders and packs every record as :func:`sft_dataset` with the
+    same arguments will (``options``: its ``format``, ``seq_len`` and the
+    rest), and splits them by ``eval_fraction`` / ``seed``. The result is
+    cached by the files' content, the tokenizer and the options
+    (:mod:`.check_cache`; ``cache=False`` always reads).
+
+    Returns:
+        The :class:`~ray_fsdp_backend.sft.check.RecordCheck`: per split, the
+        records read, rendered, truncated, dropped, the rows and the padding;
+        its ``source`` the files.
 
     Raises:
-        ValueError: a bad option (``format``, ``seq_len``).
-        SFTDataError: naming the file and the record: no such path, a file
-            that is not JSON lines / parquet, a missing field, a role the
-            chat template refuses, a tokenizer without ``chat_template``
-            under format ``chat``, a dataset without a record.
+        ValueError: a bad option (``format``, ``seq_len``, ``roles``,
+            ``chat_template``, ``chat_template_kwargs``).
+        SFTDataError: no such path, a file that is neither JSON lines nor
+            parquet, no chat template under a chat format, no record at all;
+            or bad records, each named ``FILE:LINE`` (``FILE#ROW``) with what
+            is wrong (the first 20, and how many more), then the counts.
     """
-    options = _options(
-        format,
-        seq_len,
-        packing=packing,
-        train_on_prompt=train_on_prompt,
-        messages_field=messages_field,
-        prompt_field=prompt_field,
-        completion_field=completion_field,
-    )
-    if options.format is Format.CHAT and not has_chat_template(tokenizer):
+    opts = _options(**options)
+    if opts.format.is_chat and not has_chat_template(tokenizer, opts):
         raise SFTDataError(
-            f"format 'chat' needs a tokenizer with a chat_template; "
+            f"format {opts.format.value!r} needs a tokenizer with a chat_template; "
             f"{type(tokenizer).__name__} {getattr(tokenizer, 'name_or_path', '')!r} has none: "
-            "set tokenizer.chat_template or use format 'prompt_completion' / 'text'"
+            "set chat_template or use format 'prompt_completion' / 'text'"
         )
     source = resolve_source(path, filesystem)
-    seen = 0
-    for file in source.files:
-        for i, record in enumerate(read_head(source, file, records_per_file)):
-            render_record(record, tokenizer, options, f"{file!r} record {i}")
-            seen += 1
-    if not seen:
+    # the options as checked: a chat_template file's text, not its path
+    settings = {**dataclasses.asdict(opts), "eval_fraction": eval_fraction, "seed": seed}
+    key = check_cache.check_key(source, tokenizer, settings) if cache else None
+    found = check_cache.load(key, RecordCheck) if key else None
+    if found is None:
+        found = check_records(source, tokenizer, opts, eval_fraction, seed)
+        if key:
+            check_cache.store(key, found.cached())
+    found.source = source
+    if found.problem_count:
+        raise found.error(os.fspath(path))
+    if not sum(c["records"] for c in found.counts.values()):
         raise SFTDataError(
             f"data path {os.fspath(path)!r} holds no record ({len(source.files)} file(s))"
         )
-    return source
+    return found
 
 
-def read_records(source: Source):
-    """The records of ``source`` as a Ray dataset, each with its file in ``path``."""
+def records_from_file(batch: pa.Table, kind: str, eval_fraction, seed: int, split: str):
+    """Ray Data ``map_batches`` function (one file a batch): the file's bytes
+    to its records of ``split`` (``where``, ``text``)."""
+    rows = {"where": [], "text": []}
+    files = zip(batch.column("path").to_pylist(), batch.column("bytes").to_pylist(), strict=True)
+    for path, data in files:
+        for raw in file_records(kind, path, io.BytesIO(data)):
+            if is_held_out(raw, eval_fraction, seed) == (split == "eval"):
+                rows["where"].append(raw.where)
+                rows["text"].append(raw.text)
+    return pa.table(rows, schema=_RECORD_SCHEMA)
+
+
+def read_records(source: Source, eval_fraction=None, seed: int = 0, split: str = "train"):
+    """The records of ``source`` in ``split`` as a Ray dataset (``where``, ``text``)."""
     import ray.data
 
     from ray_fsdp_backend.storage.retrying_fs import unwrap
 
-    fs = unwrap(source.filesystem)
-    files = list(source.files)
-    if source.kind == "parquet":
-        return ray.data.read_parquet(files, filesystem=fs, include_paths=True)
-    # Arrow's JSON reader (lines=False) reads JSON lines; Ray 2.60 refuses
-    # filesystem= with lines=True.
-    return ray.data.read_json(files, filesystem=fs, include_paths=True)
-
-
-def pad_token_id(tokenizer) -> int:
-    """The id padding uses: the tokenizer's pad token, else EOS, else 0 (never a target)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if value is not None:
-            return int(value)
-    return 0
+    files = ray.data.read_binary_files(
+        list(source.files), filesystem=unwrap(source.filesystem), include_paths=True
+    )
+    fn = partial(
+        records_from_file, kind=source.kind, eval_fraction=eval_fraction, seed=seed, split=split
+    )
+    return files.map_batches(fn, batch_size=1, batch_format="pyarrow")
 
 
 def rows_from_batch(batch, tokenizer, options: SFTOptions, counts: PackCounts | None = None):
     """Ray Data ``map_batches`` function (``batch_format="pyarrow"``): a batch of
-    records to packed (or padded) rows."""
-    table = batch
-    paths = table.column(PATH_COLUMN).to_pylist() if PATH_COLUMN in table.column_names else None
-    keep = [f for f in options.fields if f in table.column_names]
-    columns = {f: table.column(f).to_pylist() for f in keep}
+    records (:func:`read_records`) to packed (or padded) rows."""
     documents = []
-    for i in range(table.num_rows):
-        record = {f: columns[f][i] for f in keep}
-        where = f"a record of {paths[i]!r}" if paths else f"record {i} of a batch"
-        documents.append(render_record(record, tokenizer, options, where))
-    return pack_documents(
-        documents,
-        options.seq_len,
-        pad_token_id(tokenizer),
-        packing=options.packing,
-        split=options.format is Format.TEXT,
-        counts=counts,
-    )
+    places, texts = batch.column("where").to_pylist(), batch.column("text").to_pylist()
+    for where, text in zip(places, texts, strict=True):
+        raw = RawRecord(where, text)
+        documents.extend(render_record(parse_record(raw), tokenizer, options, where))
+    return pack_rows(documents, options, tokenizer, counts, records=len(places))
 
 
 def counts_from_batch(batch, tokenizer, options: SFTOptions) -> dict[str, np.ndarray]:
@@ -165,13 +172,20 @@ def sft_dataset(
     seq_len: int,
     packing: bool = True,
     train_on_prompt: bool = False,
-    messages_field: str = "messages",
+    messages_field: str | None = None,
     prompt_field: str = "prompt",
     completion_field: str = "completion",
+    tools_field: str = "tools",
+    roles: dict[str, str] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+    eval_fraction: float | None = None,
+    split: str = "train",
+    seed: int = 0,
     filesystem: pafs.FileSystem | None = None,
 ):
     """A ``ray.data.Dataset`` of supervised fine-tuning rows from chat,
-    prompt/completion or text records.
+    ShareGPT, Alpaca, prompt/completion or text records.
 
     Rows hold ``input_ids``, ``labels`` (aligned with ``input_ids`` as
     transformers takes them, unshifted; -100 where there is no loss) and
@@ -182,18 +196,32 @@ def sft_dataset(
         path: a JSON-lines or parquet file or a directory of them; local,
             ``s3://`` / ``gs://``, or a path on ``filesystem``.
         tokenizer: a fast Hugging Face tokenizer (its ``chat_template``
-            renders ``chat`` records).
-        format: ``"chat"``, ``"prompt_completion"`` or ``"text"``.
+            renders conversations).
+        format: ``"chat"``, ``"sharegpt"``, ``"alpaca"``,
+            ``"prompt_completion"`` or ``"text"``.
         seq_len: tokens per row.
         packing: several documents a row (first-fit decreasing); else one a row.
         train_on_prompt: the loss on every token, not only the answers.
-        messages_field, prompt_field, completion_field: record field names.
+        messages_field, prompt_field, completion_field: record field names
+            (``messages_field`` None: ``messages``, ``conversations`` under sharegpt).
+        tools_field: the field of a record's tool schemas, passed to the template.
+        roles: the dataset's role names to the template's (``{"bot": "assistant"}``).
+        chat_template: a Jinja template, or the path of a file holding one,
+            replacing the tokenizer's (docs/sft-rows.md).
+        chat_template_kwargs: keyword arguments of every template call
+            (``{"enable_thinking": False}``).
+        eval_fraction: hold out this fraction of the records (0 < f < 1), picked
+            by a hash of each record's text seeded by ``seed``, before rendering.
+        split: ``"train"`` (the records not held out) or ``"eval"`` (the held-out ones).
+        seed: the held-out split's seed.
         filesystem: a ``pyarrow.fs`` filesystem ``path`` lives on.
 
     Raises:
         ValueError / SFTDataError: before any Ray work (see :func:`check_sft_source`).
     """
-    kwargs = dict(
+    if split not in SPLIT_NAMES or (split == "eval" and not eval_fraction):
+        raise ValueError(f"split={split!r} must be 'train', or 'eval' with an eval_fraction")
+    options = dict(
         format=format,
         seq_len=seq_len,
         packing=packing,
@@ -201,22 +229,40 @@ def sft_dataset(
         messages_field=messages_field,
         prompt_field=prompt_field,
         completion_field=completion_field,
+        tools_field=tools_field,
+        roles=roles,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
     )
-    source = check_sft_source(path, tokenizer, filesystem=filesystem, **kwargs)
-    return rows_from_records(read_records(source), tokenizer, _options(**kwargs))
+    checked = check_sft_source(
+        path, tokenizer, eval_fraction=eval_fraction, seed=seed, filesystem=filesystem, **options
+    )
+    if not checked.counts[split]["records"]:
+        raise SFTDataError(
+            f"eval_fraction={eval_fraction} with seed={seed} holds out none of the "
+            f"{checked.counts['train']['records']} records of {os.fspath(path)!r}; "
+            "raise eval_fraction or give more records"
+        )
+    records = read_records(checked.source, eval_fraction, seed, split)
+    return rows_from_records(records, tokenizer, _options(**options))
 
 
 def sft_stats(path, tokenizer, *, filesystem=None, **kwargs) -> dict[str, int]:
     """What :func:`sft_dataset` with the same arguments makes of the data, as
-    sums over the whole dataset (one streamed pass): ``records``,
+    sums over the whole dataset (one streamed pass on Ray Data): ``records``,
     ``documents``, ``truncated``, ``split``, ``dropped``, ``rows``, ``tokens``,
     ``padding``, ``targets``, and ``padding_fraction`` (padding / row tokens)."""
-    source = check_sft_source(path, tokenizer, filesystem=filesystem, **kwargs)
+    split = {k: kwargs.pop(k) for k in ("eval_fraction", "seed", "split") if k in kwargs}
+    checked = check_sft_source(path, tokenizer, filesystem=filesystem, **split, **kwargs)
     options = _options(**kwargs)
     fn = partial(counts_from_batch, tokenizer=tokenizer, options=options)
-    counts = read_records(source).map_batches(
-        fn, batch_size=RECORDS_PER_BATCH, batch_format="pyarrow"
+    records = read_records(
+        checked.source,
+        split.get("eval_fraction"),
+        split.get("seed", 0),
+        split.get("split", "train"),
     )
+    counts = records.map_batches(fn, batch_size=RECORDS_PER_BATCH, batch_format="pyarrow")
     names = list(PackCounts().as_dict())
     sums = counts.sum(names)
     totals = {name: int(sums[f"sum({name})"]) for name in names}

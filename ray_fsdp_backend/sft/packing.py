@@ -39,6 +39,7 @@ class PackCounts:
 
     records: int = 0
     documents: int = 0
+    """Documents packed (a chat record may render several; the dropped not counted)."""
     truncated: int = 0
     """Documents cut to ``seq_len`` tokens (their tail lost)."""
     split: int = 0
@@ -62,13 +63,19 @@ class PackCounts:
 
 
 def fit_documents(
-    documents: list[tuple[np.ndarray, np.ndarray]], seq_len: int, *, split: bool, counts: PackCounts
+    documents: list[tuple[np.ndarray, np.ndarray]],
+    seq_len: int,
+    *,
+    split: bool,
+    counts: PackCounts,
+    records: int | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Documents of at most ``seq_len`` tokens with their first label -100,
-    those without a target dropped (see the module docstring); ``counts`` updated."""
+    those without a target dropped (see the module docstring); ``counts``
+    updated (``records``: the records ``documents`` came from; None: one each)."""
     out = []
+    counts.records += len(documents) if records is None else records
     for ids, labels in documents:
-        counts.records += 1
         if len(ids) > seq_len:
             if split:
                 counts.split += 1
@@ -148,11 +155,14 @@ def pack_documents(
     packing: bool = True,
     split: bool = False,
     counts: PackCounts | None = None,
+    records: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Rows of ``seq_len`` tokens from ``(input_ids, labels)`` documents: packed
-    first-fit decreasing, or one document a row (``packing=False``)."""
+    first-fit decreasing, or one document a row (``packing=False``).
+    ``records``: how many records the documents came from, for ``counts``
+    (None: one document each; a chat record may render several)."""
     counts = PackCounts() if counts is None else counts
-    docs = fit_documents(documents, seq_len, split=split, counts=counts)
+    docs = fit_documents(documents, seq_len, split=split, counts=counts, records=records)
     if packing:
         bins = first_fit_decreasing([len(ids) for ids, _ in docs], seq_len)
     else:

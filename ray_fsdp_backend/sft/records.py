@@ -1,78 +1,53 @@
-"""Where SFT records come from and what a record must hold (no tokenizer here).
+"""Where SFT records come from, and each record's text and place (no tokenizer here).
 
 A source is a JSON-lines or parquet file, or a directory of them (read
 recursively; names starting with ``.`` or ``_``, such as ``_SUCCESS``, are
 skipped), on the local disk, behind a URI (``s3://``, ``gs://``) or on a
 ``pyarrow.fs`` filesystem the caller passes. One directory holds one kind:
 ``.jsonl`` / ``.json`` (JSON lines, one record a line) or ``.parquet``.
+
+Every record is read as a :class:`RawRecord`: where it is (``FILE:LINE``, the
+line counted from 1; ``FILE#ROW``, the row counted from 0) and its JSON text:
+the line exactly as in the file, or the parquet row (its ``None`` values in
+mappings removed: :func:`~ray_fsdp_backend.sft.conversation.remove_none`) as
+JSON. The driver's check streams a file through :func:`file_records`; a Ray
+Data worker runs the same function on the file's bytes, so both see the same
+records, places and texts (Arrow's JSON reader is not used: it merges the
+keys of nested objects across records and fills the gaps with ``null``).
 """
 
 from __future__ import annotations
 
-import enum
+import hashlib
 import io
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import pyarrow.fs as pafs
 
+from ray_fsdp_backend.sft.conversation import record_fields, remove_none
+from ray_fsdp_backend.sft.options import Format, SFTDataError, SFTOptions
 from ray_fsdp_backend.storage.filesystem import resolve_filesystem
+
+__all__ = [
+    "Format",
+    "RawRecord",
+    "SFTDataError",
+    "SFTOptions",
+    "Source",
+    "file_records",
+    "is_held_out",
+    "open_records",
+    "parse_record",
+    "record_fields",
+    "resolve_source",
+]
 
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
-
-
-class SFTDataError(ValueError):
-    """A source or a record that cannot become training rows; the message names
-    the file, the record (its 0-based line or row in the file) and the rule."""
-
-
-class Format(enum.Enum):
-    """How a record becomes a token document (``format=``)."""
-
-    CHAT = "chat"
-    """A list of ``{role, content}`` messages, rendered by the tokenizer's chat
-    template; the loss on the assistant turns."""
-    PROMPT_COMPLETION = "prompt_completion"
-    """Two text fields; the loss on the completion."""
-    TEXT = "text"
-    """One text field; the loss on every token."""
-
-
-@dataclass(frozen=True)
-class SFTOptions:
-    """The keyword arguments of :func:`~ray_fsdp_backend.sft.sft_dataset`, checked."""
-
-    format: Format
-    seq_len: int
-    packing: bool = True
-    train_on_prompt: bool = False
-    messages_field: str = "messages"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    text_field: str = "text"
-
-    @classmethod
-    def build(cls, *, format: str | Format, seq_len: int, **kwargs) -> SFTOptions:
-        """Options from user values. Raises ``ValueError`` naming the key and the rule."""
-        allowed = ", ".join(f.value for f in Format)
-        try:
-            fmt = Format(format.value if isinstance(format, Format) else format)
-        except ValueError:
-            raise ValueError(f"format={format!r} is not one of {allowed}") from None
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-            raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
-        return cls(format=fmt, seq_len=seq_len, **kwargs)
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The record fields this format reads."""
-        if self.format is Format.CHAT:
-            return (self.messages_field,)
-        if self.format is Format.PROMPT_COMPLETION:
-            return (self.prompt_field, self.completion_field)
-        return (self.text_field,)
 
 
 @dataclass(frozen=True)
@@ -133,93 +108,83 @@ def resolve_source(path: str | os.PathLike, filesystem: pafs.FileSystem | None =
     return Source(fs, tuple(files), next(iter(kinds)))
 
 
-def read_head(source: Source, file: str, limit: int) -> list[dict]:
-    """Up to ``limit`` first records of one file of ``source``, as dicts.
+@dataclass(frozen=True)
+class RawRecord:
+    """One record before parsing: where it is and its JSON text (see the module docstring)."""
+
+    where: str
+    text: str
+
+
+def file_records(kind: str, file: str, stream: BinaryIO) -> Iterator[RawRecord]:
+    """The records of one file, read from ``stream`` (binary), in order.
 
     Raises:
-        SFTDataError: the file is not JSON lines (a line that does not parse,
-            or a line that is not an object) or not parquet.
+        SFTDataError: a parquet file that cannot be read (a JSON line that
+            does not parse is a record; :func:`parse_record` refuses it).
     """
-    if source.kind == "parquet":
-        return _parquet_head(source.filesystem, file, limit)
-    return _json_head(source.filesystem, file, limit)
+    if kind == "parquet":
+        yield from _parquet_records(file, stream)
+        return
+    for line_no, line in enumerate(stream, start=1):
+        text = line.decode("utf-8", errors="replace").strip()
+        if text:
+            yield RawRecord(f"{file}:{line_no}", text)
 
 
-def _json_head(fs: pafs.FileSystem, file: str, limit: int) -> list[dict]:
-    records = []
-    with fs.open_input_stream(file) as raw:
-        text = io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8", errors="replace")
-        for line_no, line in enumerate(text):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SFTDataError(
-                    f"{file!r} record {line_no} (line {line_no + 1}) is not JSON ({exc.msg}); "
-                    "the data must be JSON lines, one object a line"
-                ) from None
-            if not isinstance(record, dict):
-                raise SFTDataError(
-                    f"{file!r} record {line_no} (line {line_no + 1}) is a JSON "
-                    f"{type(record).__name__}, not an object; the data must be JSON lines, "
-                    "one object a line"
-                )
-            records.append(record)
-            if len(records) >= limit:
-                break
-    return records
-
-
-def _parquet_head(fs: pafs.FileSystem, file: str, limit: int) -> list[dict]:
+def _parquet_records(file: str, stream: BinaryIO) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
     try:
-        with fs.open_input_file(file) as f:
-            reader = pq.ParquetFile(f)
-            batch = next(reader.iter_batches(batch_size=limit), None)
-            return [] if batch is None else batch.to_pylist()
+        batches = pq.ParquetFile(stream).iter_batches(batch_size=1024)
+        row = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                text = json.dumps(remove_none(record), ensure_ascii=False, default=str)
+                yield RawRecord(f"{file}#{row}", text)
+                row += 1
+    except SFTDataError:
+        raise
     except Exception as exc:  # pyarrow raises ArrowInvalid and friends
-        raise SFTDataError(f"{file!r} is not a parquet file: {exc}") from None
+        raise SFTDataError(f"{file}: is not a parquet file: {exc}") from None
 
 
-def record_fields(record: dict, options: SFTOptions, where: str) -> tuple:
-    """The values ``options.format`` reads from ``record``, checked.
-
-    ``where`` names the record in errors (``"'a.jsonl' record 3"``).
-
-    Raises:
-        SFTDataError: a missing or null field, a text field that is not a
-            string, messages that are not a list of ``{role, content}``.
-    """
-    values = []
-    for name in options.fields:
-        value = record.get(name)
-        if value is None:
-            have = ", ".join(sorted(record)) or "none"
-            raise SFTDataError(
-                f"{where} has no field {name!r} (format {options.format.value!r}; "
-                f"its fields: {have})"
-            )
-        values.append(value)
-    if options.format is Format.CHAT:
-        return (clean_messages(values[0], where),)
-    for name, value in zip(options.fields, values, strict=True):
-        if not isinstance(value, str):
-            raise SFTDataError(f"{where} field {name!r} is a {type(value).__name__}, not a string")
-    return tuple(values)
+def open_records(source: Source, file: str) -> Iterator[RawRecord]:
+    """:func:`file_records` of one file of ``source``, streamed from its filesystem."""
+    if source.kind == "parquet":
+        with source.filesystem.open_input_file(file) as f:
+            yield from file_records("parquet", file, f)
+        return
+    with source.filesystem.open_input_stream(file) as raw:
+        yield from file_records("json", file, io.BufferedReader(raw))
 
 
-def clean_messages(messages, where: str) -> list[dict]:
-    """``messages`` as a list of dicts without null keys (parquet and Arrow give
-    every message every key seen in the column, null where absent)."""
-    if not isinstance(messages, list | tuple) or not messages:
-        raise SFTDataError(f"{where}: messages must be a non-empty list of {{role, content}}")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise SFTDataError(f"{where} message {i} has no string 'role': {message!r:.120}")
-        if message.get("content") is None:
-            raise SFTDataError(f"{where} message {i} (role {message['role']!r}) has no 'content'")
-        out.append({k: v for k, v in message.items() if v is not None})
-    return out
+def parse_record(raw: RawRecord) -> dict:
+    """The record as a dict. Raises SFTDataError: not JSON, or not an object."""
+    try:
+        record = json.loads(raw.text)
+    except json.JSONDecodeError as exc:
+        raise SFTDataError(
+            f"{raw.where}: not JSON ({exc.msg} at column {exc.colno}); the data must be "
+            "JSON lines, one object a line"
+        ) from None
+    if not isinstance(record, dict):
+        raise SFTDataError(
+            f"{raw.where}: a JSON {type(record).__name__}, not an object; the data must be "
+            "JSON lines, one object a line"
+        )
+    return record
+
+
+def is_held_out(raw: RawRecord, fraction: float | None, seed: int) -> bool:
+    """PURE: whether a record is in the held-out set: a seeded hash of its
+    text (the line's bytes as in the file), so the split is the same across
+    epochs, restarts, template changes and worker counts."""
+    if not fraction:
+        return False
+    digest = hashlib.blake2b(raw.text.encode("utf-8"), digest_size=8, key=_seed_key(seed))
+    return int.from_bytes(digest.digest(), "little") < int(fraction * 2**64)
+
+
+def _seed_key(seed: int) -> bytes:
+    return int(seed).to_bytes(16, "little", signed=True)

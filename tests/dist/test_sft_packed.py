@@ -46,7 +46,7 @@ def _documents():
     for i, messages in enumerate(st.random_conversations(200, seed=5)):
         turns = [m for m in messages if m["role"] != "system"][:2]
         short = [{**m, "content": " ".join(m["content"].split()[: 1 + i % 4])} for m in turns]
-        docs.append(render_record({"messages": short}, tok, options, f"record {i}"))
+        docs.extend(render_record({"messages": short}, tok, options, f"record {i}"))
     steps, at = [], 0
     for _ in range(STEPS):
         counts = PackCounts()

@@ -34,6 +34,7 @@ answers right; at 100 steps 5.02 -> 0.79). Fewer do not answer reliably
 # (its messages up to the answer: system prompt included where it had one).
 _ASK = """
 import json, sys
+sys.modules.setdefault("torchao", None)  # as the snippet: no quantising, no torchao lines
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 path = sys.argv[1]

@@ -18,7 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import ray_fsdp_backend as rfb
+from ray_fsdp_backend.sft.records import SFTOptions
+from ray_fsdp_backend.sft.render import render_record
 from tests import sft_tokenizers as st
+from tests.sft_families import FAMILIES, TEMPLATES, family_tokenizer
 
 SEQ = 512
 
@@ -115,3 +118,81 @@ def test_text_records_split_and_prompt_completion(ray_session, tmp_path):
     rows = _rows(rfb.sft_dataset(pc, tok, format="prompt_completion", seq_len=16))
     targets = [t for t in rows["labels"][0].tolist() if t != -100]
     assert tok.decode(targets) == " 2<eos>"
+
+
+def _family_records() -> list[list[dict]]:
+    """Conversations whose first answer renders apart under Qwen3 (history
+    reasoning dropped) and Mistral v0.3 (the system prompt moves)."""
+    think = "<think>\nadd\n</think>\n\n"
+    return [
+        [
+            {"role": "system", "content": f"rule {i}"},
+            {"role": "user", "content": f"#{i} 2+2?"},
+            {"role": "assistant", "content": think + "4"},
+            {"role": "user", "content": "and 3+3?"},
+            {"role": "assistant", "content": think + "6" * (1 + i % 3)},
+        ]
+        for i in range(12)
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral_v0_3"])
+def test_family_templates_through_ray_data_from_jsonl_and_parquet(ray_session, tmp_path, family):
+    """The rows of a JSONL file and of the same records in parquet (Arrow
+    adds null keys) hold exactly the documents of :func:`render_record`:
+    the whole conversations and the turns rendered apart, each once; the
+    template given as ``chat_template`` (a file) over a ChatML tokenizer."""
+    records = _family_records()
+    tok = family_tokenizer(family)
+    template = str(TEMPLATES / f"{FAMILIES[family].template}.jinja")
+    options = SFTOptions.build(format="chat", seq_len=SEQ, chat_template=template)
+    expected = sorted(
+        (tuple(ids.tolist()), tuple(labels[1:].tolist()))
+        for m in records
+        for ids, labels in render_record({"messages": m}, tok, options, "r")
+    )
+    assert len(expected) == 2 * len(records)  # every first answer apart
+    tok.chat_template = st.CHATML  # the file renders, not the tokenizer's template
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in records))
+    pq.write_table(pa.Table.from_pylist([{"messages": m} for m in records]), tmp_path / "b.parquet")
+    for path in (tmp_path / "a.jsonl", tmp_path / "b.parquet"):
+        rows = _rows(rfb.sft_dataset(path, tok, seq_len=SEQ, chat_template=template))
+        documents = [
+            (tuple(ids.tolist()), tuple(labels[1:].tolist()))
+            for ids, labels in _documents(rows)
+            if not (labels == -100).all()
+        ]
+        assert sorted(documents) == expected
+
+
+def test_a_small_datasets_rows_are_built_once_for_every_epoch(ray_session, tmp_path):
+    """``ray-fsdp train``'s SFT datasets: the training rows of a small record
+    set are materialised (an epoch reads the object store, not the records),
+    a set above the bound streams from the records each epoch."""
+    import ray.data
+    from ray.data.dataset import MaterializedDataset
+
+    from ray_fsdp_backend.cli.main import build_datasets
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.trainer.data.sft import build_sft_datasets, records_bytes
+    from ray_fsdp_backend.trainer.schema.spec import build_spec
+
+    model = save_tiny_pretrained("llama", tmp_path / "chat", chat=True)
+    files = save_tiny_chat_data(tmp_path / "data")
+    doc = {
+        "distributed": {"use_mixed_precision": False},
+        "model": {"pretrained": model, "seq_len": 128},
+        "data": {"format": "chat", "path": files["train"], "packing": True},
+    }
+    spec = build_spec(doc, torch_config=False)
+    context = ray.data.DataContext.get_current()
+    context.print_on_execution_start = True  # Ray 2.60's default
+    small = build_datasets(spec)["train"]  # what ray-fsdp train builds
+    # each epoch's execution of the split prints no "Starting execution" /
+    # "Execution plan" lines (the quiet console of docs/monitoring.md)
+    assert context.print_on_execution_start is False
+    assert isinstance(small, MaterializedDataset) and small.count() > 0
+    size = records_bytes(files["train"])
+    large = build_sft_datasets(spec, small_bytes=size - 1)["train"]
+    assert not isinstance(large, MaterializedDataset)
+    assert sorted(map(repr, large.take_all())) == sorted(map(repr, small.take_all()))

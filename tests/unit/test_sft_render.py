@@ -31,8 +31,10 @@ def _runs(labels: np.ndarray) -> list[list[int]]:
 
 
 def _render(record, tok, **kwargs):
+    """The record's one document."""
     options = SFTOptions.build(seq_len=kwargs.pop("seq_len", 512), **kwargs)
-    return render_record(record, tok, options, "test record")
+    (document,) = render_record(record, tok, options, "test record")
+    return document
 
 
 @pytest.mark.parametrize("template", sorted(st.TEMPLATES))
@@ -97,17 +99,19 @@ def test_text_trains_every_token_and_ends_with_eos():
     assert (labels == ids).all()
 
 
-def test_a_template_that_renders_history_differently_is_refused():
-    """A separator only between turns (``loop.last``): the generation prefix
-    of turn i is not a prefix of the whole conversation."""
+def test_a_turn_that_does_not_follow_its_generation_prompt_is_refused():
+    """The generation prompt (``... assistant: ``) is not where the turn starts
+    (`` | assistant: 4``): the error names the record and the turn, and its
+    advice is a template or its arguments, not ``train_on_prompt``."""
     tok = st.tokenizer("chatml")
     tok.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
         "{% if not loop.last %} | {% endif %}{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    with pytest.raises(SFTDataError, match="test record.*renders assistant turn 1 differently"):
+    with pytest.raises(SFTDataError, match="test record: assistant turn 1 does not follow") as err:
         _render({"messages": st.conversations()[1]}, tok, format="chat")
+    assert "chat_template" in str(err.value) and "train_on_prompt" not in str(err.value)
     ids, labels = _render(
         {"messages": st.conversations()[1]}, tok, format="chat", train_on_prompt=True
     )

@@ -28,32 +28,33 @@ def _check(path, template="chatml", **kwargs):
 def test_a_good_file_a_directory_and_parquet_pass(tmp_path):
     _jsonl(tmp_path / "a.jsonl", [GOOD] * 3)
     pq.write_table(pa.Table.from_pylist([GOOD] * 2), tmp_path / "b.parquet")
-    assert _check(tmp_path / "a.jsonl").kind == "json"
-    assert _check(tmp_path / "b.parquet").kind == "parquet"
+    assert _check(tmp_path / "a.jsonl").source.kind == "json"
+    assert _check(tmp_path / "b.parquet").source.kind == "parquet"
     (tmp_path / "dir").mkdir()
     _jsonl(tmp_path / "dir" / "x.jsonl", [GOOD])
     (tmp_path / "dir" / "_SUCCESS").write_text("")
-    assert len(_check(tmp_path / "dir").files) == 1
+    assert len(_check(tmp_path / "dir").source.files) == 1
 
 
 def test_missing_field_names_the_file_and_the_record(tmp_path):
     path = _jsonl(tmp_path / "a.jsonl", [GOOD, GOOD, {"conversation": []}])
-    with pytest.raises(SFTDataError, match=r"a\.jsonl' record 2 has no field 'messages'"):
+    with pytest.raises(SFTDataError, match=r"a\.jsonl:3: field 'messages' is missing"):
         _check(path)
-    with pytest.raises(SFTDataError, match=r"record 0 has no field 'completion'"):
+    with pytest.raises(SFTDataError, match=r"p\.jsonl:1: field 'completion' is missing"):
         _check(_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}]), format="prompt_completion")
 
 
 def test_a_role_the_template_refuses(tmp_path):
     bad = {"messages": [{"role": "tool", "content": "42"}, *GOOD["messages"]]}
     path = _jsonl(tmp_path / "a.jsonl", [GOOD, bad])
-    with pytest.raises(SFTDataError, match=r"a\.jsonl' record 1: the chat template refuses.*tool"):
+    with pytest.raises(SFTDataError, match=r"a\.jsonl:2: the chat template refuses.*tool"):
         _check(path, template="default_system")
 
 
 def test_a_message_without_role_or_content(tmp_path):
     bad = {"messages": [{"role": "user"}]}
-    with pytest.raises(SFTDataError, match=r"record 0 message 0 \(role 'user'\) has no 'content'"):
+    match = r"a\.jsonl:1: message 0 \(role 'user'\) has no 'content'"
+    with pytest.raises(SFTDataError, match=match):
         _check(_jsonl(tmp_path / "a.jsonl", [bad]))
 
 
@@ -78,13 +79,13 @@ def test_empty_dataset(tmp_path):
 
 def test_files_that_are_not_json_lines_or_parquet(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps(GOOD) + "\nnot json at all\n")
-    with pytest.raises(SFTDataError, match=r"a\.jsonl' record 1 \(line 2\) is not JSON"):
+    with pytest.raises(SFTDataError, match=r"a\.jsonl:2: not JSON"):
         _check(tmp_path / "a.jsonl")
     (tmp_path / "array.json").write_text(json.dumps([GOOD, GOOD]))
-    with pytest.raises(SFTDataError, match=r"array\.json' record 0 .* is a JSON list"):
+    with pytest.raises(SFTDataError, match=r"array\.json:1: a JSON list, not an object"):
         _check(tmp_path / "array.json")
     (tmp_path / "fake.parquet").write_text(json.dumps(GOOD))
-    with pytest.raises(SFTDataError, match=r"fake\.parquet' is not a parquet file"):
+    with pytest.raises(SFTDataError, match=r"fake\.parquet: is not a parquet file"):
         _check(tmp_path / "fake.parquet")
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(SFTDataError, match=r"notes\.txt' is neither JSON lines"):

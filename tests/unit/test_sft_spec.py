@@ -4,6 +4,8 @@ reads and the eval loss against a one-process reference."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,7 @@ def _errors(data=None, model=None, train=None) -> list[str]:
         ({"format": "xml"}, {}, "format='xml' is not one of text, chat, prompt_completion"),
         ({"train_on_prompt": "yes"}, {}, "train_on_prompt='yes' must be true or false"),
         ({"packing": 1}, {}, "packing=1 must be true or false"),
-        ({"messages_field": ""}, {}, "messages_field='' must be a record field's name"),
+        ({"messages_field": ""}, {}, "messages_field='' must be a record field's name or null"),
         ({"prompt_field": 3}, {}, "prompt_field=3 must be a record field's name"),
         ({"eval_fraction": 1.5}, {}, "eval_fraction=1.5 must be a number between 0 and 1"),
         ({"eval_fraction": 0}, {}, "eval_fraction=0 must be a number between 0 and 1"),
@@ -34,6 +36,12 @@ def _errors(data=None, model=None, train=None) -> list[str]:
         ({}, {"eval_every": -1}, "eval_every=-1 must be a non-negative number"),
         ({}, {"eval_every": 2.5}, "eval_every=2.5 must be a non-negative int"),
         ({"formt": "chat"}, {}, "formt"),
+        ({"roles": {"human": 1}}, {}, "roles={'human': 1} must map the dataset's role names"),
+        ({"tools_field": ""}, {}, "tools_field='' must be a record field's name"),
+        ({"messages_field": 3}, {}, "messages_field=3 must be a record field's name or null"),
+        ({"chat_template": "no/such.jinja"}, {}, "chat_template='no/such.jinja' is neither"),
+        ({"chat_template": 3}, {}, "chat_template=3 must be a Jinja template or a file path"),
+        ({"chat_template_kwargs": ["x"]}, {}, "chat_template_kwargs=['x'] must map names"),
     ],
 )
 def test_bad_values_name_the_key_and_value(data, train, words):
@@ -85,16 +93,16 @@ def test_eval_steps_every_n_and_the_last():
     assert [s for s in range(1, 26) if is_eval_step(s, TrainOptions(steps=25))] == [25]
 
 
-def test_held_out_rows_are_a_seeded_fraction():
-    from ray_fsdp_backend.trainer.data.sft import HeldOut
+def test_held_out_records_are_a_seeded_fraction_of_their_text():
+    from ray_fsdp_backend.sft.records import RawRecord, is_held_out
 
-    rows = [{"input_ids": list(range(i, i + 16))} for i in range(2000)]
-    pick = HeldOut(0.1, seed=3)
-    held = [i for i, r in enumerate(rows) if pick(r)]
+    records = [RawRecord(f"f:{i}", json.dumps({"text": str(i)})) for i in range(2000)]
+    held = [i for i, r in enumerate(records) if is_held_out(r, 0.1, seed=3)]
     assert 150 < len(held) < 250
-    assert held == [i for i, r in enumerate(rows) if HeldOut(0.1, seed=3)(r)]
-    assert held != [i for i, r in enumerate(rows) if HeldOut(0.1, seed=4)(r)]
-    assert not any(pick(r) and pick.complement(r) for r in rows)
+    moved = [RawRecord(f"other:{i + 7}", r.text) for i, r in enumerate(records)]
+    assert held == [i for i, r in enumerate(moved) if is_held_out(r, 0.1, seed=3)]
+    assert held != [i for i, r in enumerate(records) if is_held_out(r, 0.1, seed=4)]
+    assert not any(is_held_out(r, None, seed=3) for r in records)
 
 
 def _rows(n: int, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -209,6 +217,31 @@ def test_bad_records_are_named_before_ray_starts(chat_checkpoints, tmp_path):
         assert len(errors) == 1 and all(w in errors[0] for w in words), (words, errors)
 
 
+MARKED_CHATML = (
+    "{% if marker is not defined %}{{ raise_exception('no marker') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML that refuses to render without the keyword argument ``marker``."""
+
+
+def test_data_chat_template_and_its_kwargs_reach_the_driver_check(chat_checkpoints, tmp_path):
+    """A checkpoint without a template trains chat records with
+    ``data.chat_template`` (a string or a file), rendered with
+    ``data.chat_template_kwargs``."""
+    _, plain, files = chat_checkpoints
+    path = tmp_path / "marked.jinja"
+    path.write_text(MARKED_CHATML)
+    kwargs = {"marker": "on"}
+    for template in (MARKED_CHATML, str(path)):
+        errors = _sft_errors(
+            plain, files["train"], chat_template=template, chat_template_kwargs=kwargs
+        )
+        assert errors == []
+    (error,) = _sft_errors(plain, files["train"], chat_template=str(path))
+    assert "data.path=" in error and "no marker" in error
+
+
 class _Rows:
     """A data source with ``iter_torch_batches`` over fixed rows (what a
     Ray Data shard gives, in one order)."""
@@ -216,7 +249,9 @@ class _Rows:
     def __init__(self, rows: dict[str, torch.Tensor]) -> None:
         self.rows = rows
 
-    def iter_torch_batches(self, batch_size: int, drop_last: bool):
+    def iter_torch_batches(self, batch_size: int, drop_last: bool, **shuffle):
+        # The order as given: the epoch shuffle is tested on Ray Data
+        # (tests/e2e/test_sft_dataset.py).
         return iter(_batches(self.rows, batch_size)[: len(self.rows["input_ids"]) // batch_size])
 
 
@@ -226,12 +261,12 @@ def test_sft_batches_resume_where_the_checkpoint_left_off():
     from ray_fsdp_backend.trainer.data.sft_batches import SftBatches
 
     shard = _Rows(_rows(10, seed=2))
-    whole = SftBatches(shard, 2)
+    whole = SftBatches(shard, 2, seq_len=8)
     reference = [whole.next_batch() for _ in range(8)]
-    first = SftBatches(shard, 2)
+    first = SftBatches(shard, 2, seq_len=8)
     for _ in range(3):
         first.next_batch()
-    resumed = SftBatches(shard, 2)
+    resumed = SftBatches(shard, 2, seq_len=8)
     resumed.load_state_dict(first.state_dict())
     rest = [resumed.next_batch() for _ in range(5)]
     for got, want in zip(rest, reference[3:], strict=True):

@@ -320,3 +320,16 @@ assert sys.modules.get("torchao") is not None
     assert out.returncode == 0, out.stderr[-3000:]
     before = out.stderr.split("--- quantising")[0]
     assert "Failed to load" not in before, before[-2000:]
+
+
+def test_the_tiny_checkpoint_maker_prints_no_torchao_lines(tmp_path):
+    """``python -m ray_fsdp_backend.models.tiny_pretrained`` (the examples'
+    first command) quantises nothing, so torchao's load failures stay out."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "ray_fsdp_backend.models.tiny_pretrained"]
+    out = subprocess.run([*command, str(tmp_path / "tiny"), "--chat"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Failed to load" not in out.stderr and "torchao" not in out.stderr, out.stderr

@@ -234,8 +234,12 @@ class RayDataBatches:
         """A micro-batch from the shard's rows: byte rows as ``(inputs, targets)``."""
         return split_rows(rows["tokens"])
 
+    def epoch_batches(self) -> Iterator:
+        """The shard's micro-batches of one epoch, in the shard's order."""
+        return iter(self.shard.iter_torch_batches(batch_size=self.micro_batch_size, drop_last=True))
+
     def _new_epoch(self) -> Iterator:
-        it = iter(self.shard.iter_torch_batches(batch_size=self.micro_batch_size, drop_last=True))
+        it = self.epoch_batches()
         for _ in range(self._skip_batches):
             next(it, None)
         self._skip_batches = 0

@@ -1,8 +1,10 @@
 """What the workers make of ``rfb.sft_dataset`` rows (``data.format``
-``chat`` / ``prompt_completion``; the driver side is :mod:`.sft_data`).
+``chat`` / ``sharegpt`` / ``alpaca`` / ``prompt_completion``; the driver
+side is :mod:`.sft`).
 
 :class:`SftBatches` turns a shard's rows into the trainer's micro-batches
-(targets shifted within each document) and resumes like
+(targets shifted within each document), reshuffles each epoch (seeded by
+``train.seed`` and the epoch) and resumes like
 :class:`~ray_fsdp_backend.trainer.data.corpus.RayDataBatches`; :func:`eval_batches`
 gives each dp rank its share of the held-out rows, padded so that every rank
 runs the same number of forwards (FSDP's all-gathers are collective).
@@ -34,13 +36,45 @@ def to_micro_batch(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
+SHUFFLE_BUFFER_TOKENS = 2**22
+"""Tokens of rows an epoch's shuffle holds (about 100 MB of int64 rows); a
+shard of no more rows is reshuffled whole each epoch."""
+
+
 class SftBatches(RayDataBatches):
     """One rank's micro-batches of ``rfb.sft_dataset`` rows (its
-    ``MeshDataConfig`` shard), epoch after epoch; the data position (rows the
-    job read in this epoch) resumes as :class:`RayDataBatches`'s does."""
+    ``MeshDataConfig`` shard), epoch after epoch, each epoch in its own order:
+    the shard's rows pass a shuffle buffer of :data:`SHUFFLE_BUFFER_TOKENS`
+    seeded by ``seed`` and the epoch, so two epochs differ and a resume in an
+    epoch reads that epoch's order (given the shard's rows in the same order).
+    The data position (rows the job read in this epoch) resumes as
+    :class:`RayDataBatches`'s does."""
+
+    def __init__(
+        self, shard, micro_batch_size: int, dp_size: int = 1, *, seq_len: int, seed: int = 0
+    ) -> None:
+        super().__init__(shard, micro_batch_size, dp_size)
+        self.seed = seed
+        self.buffer_rows = max(micro_batch_size, SHUFFLE_BUFFER_TOKENS // seq_len)
 
     def to_batch(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return to_micro_batch(rows)
+
+    def epoch_batches(self) -> Iterator:
+        """This epoch's micro-batches of the shard, shuffled by (seed, epoch)."""
+        return iter(
+            self.shard.iter_torch_batches(
+                batch_size=self.micro_batch_size,
+                drop_last=True,
+                local_shuffle_buffer_size=self.buffer_rows,
+                local_shuffle_seed=epoch_seed(self.seed, self.epoch),
+            )
+        )
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """PURE: the shuffle seed of ``epoch`` in a run seeded ``seed``."""
+    return (seed * 1_000_003 + epoch) % 2**32
 
 
 def eval_batches(

@@ -307,7 +307,8 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
     """This rank's micro-batch stream: the sharded corpus, or its Ray Data shard."""
     opts, seq_len = spec.train, spec.model.seq_len
     if spec.data.is_sft:  # rfb.sft_dataset rows, built on the driver
-        return SftBatches(ray.train.get_dataset_shard("train"), opts.micro_batch_size, dp_size)
+        shard = ray.train.get_dataset_shard("train")
+        return SftBatches(shard, opts.micro_batch_size, dp_size, seq_len=seq_len, seed=opts.seed)
     if spec.data.source == "ray_data":
         shard = ray.train.get_dataset_shard("train")
         return RayDataBatches(shard, opts.micro_batch_size, dp_size)

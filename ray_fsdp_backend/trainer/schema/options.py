@@ -7,6 +7,7 @@ the check of each key's value, which names the key, the value and the rule.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,8 @@ from ray_fsdp_backend.settings.config import unknown_key_message
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")
-DATA_FORMATS = ("text", "chat", "prompt_completion")
-SFT_FORMATS = ("chat", "prompt_completion")
+DATA_FORMATS = ("text", "chat", "prompt_completion", "sharegpt", "alpaca")
+SFT_FORMATS = ("chat", "prompt_completion", "sharegpt", "alpaca")
 """The formats ``rfb.sft_dataset`` reads (records of a JSONL / parquet dataset)."""
 
 
@@ -82,9 +83,11 @@ class DataOptions:
     format: str = "text"
     """``text``: plain text, the loss on every token (``source`` says how it
     is read). ``chat`` (a list of ``{role, content}`` messages per record) or
-    ``prompt_completion`` (two text fields): JSONL / parquet records read by
-    Ray Data on CPU workers, rendered with the checkpoint tokenizer's chat
-    template and packed (``rfb.sft_dataset``); needs ``model.pretrained``."""
+    ``prompt_completion`` (two text fields), ``sharegpt`` (``conversations``
+    of ``{from, value}``) or ``alpaca`` (``instruction``, ``input``,
+    ``output``): JSONL / parquet records, every one checked on the driver,
+    read by Ray Data on CPU workers, rendered with the checkpoint tokenizer's
+    chat template and packed (``rfb.sft_dataset``); needs ``model.pretrained``."""
     source: str = "corpus"
     """``format: text`` only. ``corpus``: one text file read by every worker,
     sharded by rank in a resumable order. ``ray_data``: ``ray.data.read_text(path)``
@@ -94,8 +97,16 @@ class DataOptions:
     """Text file (``corpus``), files/directory/URI (``ray_data``), or the
     JSONL / parquet file or directory (local, ``s3://``, ``gs://``) of a
     ``chat`` / ``prompt_completion`` dataset; None is the shipped corpus (text only)."""
-    messages_field: str = "messages"
-    """``format: chat``: the field holding each record's messages."""
+    messages_field: str | None = None
+    """``format: chat`` / ``sharegpt``: the field holding each record's
+    messages; null: ``messages`` (``conversations`` under ``sharegpt``)."""
+    tools_field: str = "tools"
+    """``chat`` / ``sharegpt``: the field holding a record's tool schemas,
+    passed to the chat template as ``tools``."""
+    roles: dict[str, str] | None = None
+    """The dataset's role names to the template's (``{human: user, gpt:
+    assistant}``); a role that is then none of system, developer, user,
+    assistant, tool, ipython is refused, naming its record."""
     prompt_field: str = "prompt"
     """``format: prompt_completion``: the prompt's field."""
     completion_field: str = "completion"
@@ -107,15 +118,27 @@ class DataOptions:
     """Concatenate documents into ``model.seq_len`` rows, ``position_ids``
     restarting per document; attention never crosses documents. With
     ``format: text``: the corpus's lines, byte-level model and ``corpus``
-    source; with ``chat`` / ``prompt_completion``: the records (False: one
-    record a row, padded). Composes with Ulysses context parallelism, not ring."""
+    source; with records: their documents (one a record, or one per turn its
+    template renders apart; False: one document a row, padded). Composes with
+    Ulysses context parallelism, not ring."""
+    chat_template: str | None = None
+    """``chat`` / ``sharegpt`` / ``alpaca`` / ``prompt_completion``: a Jinja
+    chat template, or the path of a file holding one (relative to where
+    ``ray-fsdp`` runs), used instead of the checkpoint tokenizer's; None: the
+    tokenizer's. The families whose template needs it get their training
+    patch either way (docs/sft-rows.md)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Keyword arguments of every chat-template call, e.g. ``{enable_thinking:
+    false}`` for Qwen3 (the empty reasoning block then sits in the prompt)."""
     eval_path: str | None = None
     """``chat`` / ``prompt_completion``: a held-out dataset in the same
     format; its token-mean loss is logged as ``eval_loss``."""
     eval_fraction: float | None = None
     """``chat`` / ``prompt_completion``: hold out this fraction (0 < f < 1)
-    of ``path``'s rows instead of an ``eval_path`` (a seeded hash of each
-    packed row picks them)."""
+    of ``path``'s records instead of an ``eval_path``: a hash of each
+    record's text as in the file, seeded by ``train.seed``, before rendering
+    (the same records across epochs, restarts, template changes and worker
+    counts)."""
 
     @property
     def is_sft(self) -> bool:
@@ -190,7 +213,7 @@ _CHOICES = {
 _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
 _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_interval_s"}
 _OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard", "eval_path"}
-_FIELD_NAMES = {"messages_field", "prompt_field", "completion_field"}
+_FIELD_NAMES = {"prompt_field", "completion_field", "tools_field"}
 _BOOLS = {"train_on_prompt", "packing"}  # not in _CHOICES: 1 == True there
 
 
@@ -233,8 +256,20 @@ def _check_option(key: str, value: Any) -> None:
         raise ValueError(f"{key}={value!r} must be true or false")
     if key in _FIELD_NAMES and not (isinstance(value, str) and value):
         raise ValueError(f"{key}={value!r} must be a record field's name")
+    if key == "messages_field" and value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"messages_field={value!r} must be a record field's name or null")
+    if key == "roles" and value is not None and not _is_role_map(value):
+        raise ValueError(f"roles={value!r} must map the dataset's role names to role names")
     if key == "eval_every" and not isinstance(value, int):
         raise ValueError(f"eval_every={value!r} must be a non-negative int")
+    if key == "chat_template" and value is not None:
+        _check_chat_template(value)
+    if key == "chat_template_kwargs" and value is not None:
+        if not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
+            raise ValueError(
+                f"chat_template_kwargs={value!r} must map names to values "
+                "(the chat template's keyword arguments, e.g. {enable_thinking: false})"
+            )
     if key == "eval_fraction" and value is not None and not (is_number and 0 < value < 1):
         raise ValueError(f"eval_fraction={value!r} must be a number between 0 and 1 or null")
     if key == "resources_per_worker" and value is not None:
@@ -243,6 +278,23 @@ def _check_option(key: str, value: Any) -> None:
             for v in value.values()
         ):
             raise ValueError(f"resources_per_worker={value!r} must map resource names to numbers")
+
+
+def _is_role_map(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
+def _check_chat_template(value: Any) -> None:
+    """A template string (holds ``{{`` or ``{%``) or a file that exists."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"chat_template={value!r} must be a Jinja template or a file path")
+    if "{{" not in value and "{%" not in value and not os.path.isfile(value):
+        raise ValueError(
+            f"chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') "
+            "nor a file that exists (a relative path is taken from where ray-fsdp runs)"
+        )
 
 
 def options_builder(cls: type, section: str) -> Callable[[Mapping[str, Any]], Any]:

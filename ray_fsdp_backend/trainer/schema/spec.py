@@ -155,7 +155,8 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
     if not errors and data is not None and data.is_sft:  # reads records: once all else holds
         from ray_fsdp_backend.trainer.schema.sft import sft_input_errors
 
-        errors += sft_input_errors(data, built["model"])
+        group = model_group(built.get("distributed"))
+        errors += sft_input_errors(data, built["model"], built["train"], built["scaling"], group)
     return errors
 
 
