@@ -53,7 +53,7 @@ def train_soak(config: dict) -> dict:
 
     import ray_fsdp_backend as rfb
     from benchmarks._workload import build_model, loss_fn, make_optimizer
-    from ray_fsdp_backend import retry, retrying_fs
+    from ray_fsdp_backend.storage import retry, retrying_fs
 
     retrying_fs.STREAM_ABOVE_BYTES = config["stream_above"]
     ctx = rfb.get_context()
