@@ -247,12 +247,14 @@ class _Rows:
     Ray Data shard gives, in one order)."""
 
     def __init__(self, rows: dict[str, torch.Tensor]) -> None:
-        self.rows = rows
+        self.rows, self.reads = rows, 0
 
     def iter_torch_batches(self, batch_size: int, drop_last: bool, **shuffle):
-        # The order as given: the epoch shuffle is tested on Ray Data
-        # (tests/e2e/test_sft_dataset.py).
-        return iter(_batches(self.rows, batch_size)[: len(self.rows["input_ids"]) // batch_size])
+        # The order as given: the streamed epoch shuffle is tested on Ray Data
+        # (tests/e2e/test_sft_split.py).
+        self.reads += 1
+        batches = _batches(self.rows, batch_size)
+        return iter(batches[: len(self.rows["input_ids"]) // batch_size] if drop_last else batches)
 
 
 def test_sft_batches_resume_where_the_checkpoint_left_off():
@@ -272,3 +274,43 @@ def test_sft_batches_resume_where_the_checkpoint_left_off():
     for got, want in zip(rest, reference[3:], strict=True):
         assert all(torch.equal(got[k], want[k]) for k in want)
     assert set(rest[0]) == {"input_ids", "targets", "position_ids"}
+
+
+def _row_ids(batches) -> list[int]:
+    """Which rows of ``_rows`` (numbered in ``input_ids[:, 0]``) each batch holds, in order."""
+    return [int(i) for b in batches for i in b["input_ids"][:, 0]]
+
+
+def test_held_rows_are_read_once_reshuffled_each_epoch_and_resumed():
+    """A small dataset's shard (``hold_rows``): read from Ray Data once, each
+    epoch a seeded permutation of its rows (two epochs differ, the tail left
+    out differs), and a restart inside epoch 2 reads the rest of that
+    epoch's order, as the uninterrupted run does."""
+    from ray_fsdp_backend.trainer.data.sft_batches import SftBatches
+
+    rows = _rows(11, seed=2)
+    rows["input_ids"][:, 0] = torch.arange(11)  # each row's number
+
+    def reader(**kw):
+        shard = _Rows(rows)
+        return shard, SftBatches(shard, 2, seq_len=8, seed=4, hold_rows=True, **kw)
+
+    shard, whole = reader()
+    run = [whole.next_batch() for _ in range(15)]  # 5 micro-batches an epoch, 3 epochs
+    assert shard.reads == 1  # one Ray Data execution for every epoch
+    epochs = [_row_ids(run[e * 5 : e * 5 + 5]) for e in range(3)]
+    assert all(len(set(e)) == 10 and set(e) <= set(range(11)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3  # each epoch its own order
+    assert len({tuple(sorted(e)) for e in epochs}) > 1  # not always the same row left out
+    _, again = reader()  # a restart from step 0: the same orders
+    assert _row_ids(again.next_batch() for _ in range(15)) == sum(epochs, [])
+
+    _, first = reader()
+    for _ in range(7):  # killed in epoch 2, after 2 of its micro-batches
+        first.next_batch()
+    shard, resumed = reader()
+    resumed.load_state_dict(first.state_dict())
+    rest = [resumed.next_batch() for _ in range(8)]
+    for got, want in zip(rest, run[7:], strict=True):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert shard.reads == 1

@@ -13,7 +13,7 @@ reshuffled on its rank, :mod:`.sft_batches`), and the held-out rows
 hash of each record's text picks, before rendering), materialised once in
 the object store and read whole by every rank. The training rows of a small
 dataset (:data:`SMALL_DATASET_BYTES`) are materialised too, built once for
-every epoch.
+every epoch, and each rank holds its shard of them after reading it once.
 
 What the workers make of the rows is :mod:`.sft_batches`. Nothing here
 imports torch or Ray at module level: ``plan`` and ``validate`` run
@@ -32,11 +32,14 @@ EVAL_DATASET = "eval"
 
 SMALL_DATASET_BYTES = 64 * 2**20
 """Record files up to this size (all of ``data.path``) have their training
-rows built once and kept in Ray's object store: every epoch reads them
-there instead of reading, rendering and tokenizing the records again (a
-30-record set is an epoch a step). Rows take about 24 bytes a token
-(``input_ids``, ``labels``, ``position_ids`` as int64) and text about 3-4
-bytes a token, so 64 MiB of records is at most about 0.5 GiB of rows."""
+rows built once and kept in Ray's object store, and each rank reads its
+shard of them once and holds it in memory (:class:`~.sft_batches.SftBatches`,
+``hold_rows``): no epoch after the first reads, renders or tokenizes the
+records again or runs Ray Data (a 30-record set is an epoch a step). Rows
+take about 24 bytes a token (``input_ids``, ``labels``, ``position_ids`` as
+int64) and text about 3-4 bytes a token, so 64 MiB of records is at most
+about 0.5 GiB of rows, in the object store and over the ranks' memory (each
+holds its share)."""
 
 
 def build_sft_datasets(spec, small_bytes: int = SMALL_DATASET_BYTES) -> dict[str, Any]:
@@ -58,12 +61,18 @@ def build_sft_datasets(spec, small_bytes: int = SMALL_DATASET_BYTES) -> dict[str
     elif data.eval_fraction is not None:
         held_out = rfb.sft_dataset(data.path, tokenizer, split="eval", **split, **options)
     train = train.random_shuffle(seed=seed)
-    if records_bytes(data.path) <= small_bytes:
+    if is_small(data.path, small_bytes):
         train = train.materialize()
     datasets = {"train": train}
     if held_out is not None:
         datasets[EVAL_DATASET] = held_out.materialize()
     return datasets
+
+
+def is_small(path: str, small_bytes: int = SMALL_DATASET_BYTES) -> bool:
+    """Whether the record files at ``path`` hold at most ``small_bytes``: the
+    driver materialises their training rows and each rank holds its shard."""
+    return records_bytes(path) <= small_bytes
 
 
 def records_bytes(path: str) -> int:

@@ -4,7 +4,8 @@ side is :mod:`.sft`).
 
 :class:`SftBatches` turns a shard's rows into the trainer's micro-batches
 (targets shifted within each document), reshuffles each epoch (seeded by
-``train.seed`` and the epoch) and resumes like
+``train.seed`` and the epoch; a small dataset's shard read once and held in
+memory) and resumes like
 :class:`~ray_fsdp_backend.trainer.data.corpus.RayDataBatches`; :func:`eval_batches`
 gives each dp rank its share of the held-out rows, padded so that every rank
 runs the same number of forwards (FSDP's all-gathers are collective).
@@ -43,25 +44,45 @@ shard of no more rows is reshuffled whole each epoch."""
 
 class SftBatches(RayDataBatches):
     """One rank's micro-batches of ``rfb.sft_dataset`` rows (its
-    ``MeshDataConfig`` shard), epoch after epoch, each epoch in its own order:
-    the shard's rows pass a shuffle buffer of :data:`SHUFFLE_BUFFER_TOKENS`
+    ``MeshDataConfig`` shard), epoch after epoch, each epoch in its own order
     seeded by ``seed`` and the epoch, so two epochs differ and a resume in an
     epoch reads that epoch's order (given the shard's rows in the same order).
     The data position (rows the job read in this epoch) resumes as
-    :class:`RayDataBatches`'s does."""
+    :class:`RayDataBatches`'s does.
+
+    Streamed (the default), each epoch runs the shard's Ray Data execution
+    again and its rows pass a shuffle buffer of :data:`SHUFFLE_BUFFER_TOKENS`.
+    With ``hold_rows`` (a small dataset: ``trainer/data/sft.py``,
+    ``SMALL_DATASET_BYTES``) the shard is read once, at the first epoch this
+    process runs, and kept in memory: every epoch is a seeded permutation of
+    those rows, batched here, with no Ray Data execution (starting the
+    split's execution cost a 30-record set more than its training step)."""
 
     def __init__(
-        self, shard, micro_batch_size: int, dp_size: int = 1, *, seq_len: int, seed: int = 0
+        self,
+        shard,
+        micro_batch_size: int,
+        dp_size: int = 1,
+        *,
+        seq_len: int,
+        seed: int = 0,
+        hold_rows: bool = False,
     ) -> None:
         super().__init__(shard, micro_batch_size, dp_size)
-        self.seed = seed
+        self.seed, self.hold_rows = seed, hold_rows
         self.buffer_rows = max(micro_batch_size, SHUFFLE_BUFFER_TOKENS // seq_len)
+        self._held: dict[str, torch.Tensor] | None = None  # hold_rows: the shard, once read
 
     def to_batch(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return to_micro_batch(rows)
 
     def epoch_batches(self) -> Iterator:
         """This epoch's micro-batches of the shard, shuffled by (seed, epoch)."""
+        if self.hold_rows:
+            if self._held is None:
+                self._held = read_rows(self.shard, self.buffer_rows)
+            seed = epoch_seed(self.seed, self.epoch)
+            return permuted_batches(self._held, self.micro_batch_size, seed)
         return iter(
             self.shard.iter_torch_batches(
                 batch_size=self.micro_batch_size,
@@ -70,6 +91,25 @@ class SftBatches(RayDataBatches):
                 local_shuffle_seed=epoch_seed(self.seed, self.epoch),
             )
         )
+
+
+def read_rows(shard, batch_rows: int) -> dict[str, torch.Tensor]:
+    """All of ``shard``'s rows in its order, one tensor a column (``{}``: none)."""
+    parts = list(shard.iter_torch_batches(batch_size=batch_rows, drop_last=False))
+    return {key: torch.cat([part[key] for part in parts]) for key in (parts or [{}])[0]}
+
+
+def permuted_batches(
+    rows: dict[str, torch.Tensor], micro_batch_size: int, seed: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """One epoch of ``rows`` in micro-batches, in the permutation ``seed``
+    draws; the rows short of a last micro-batch are left out (``drop_last``),
+    other rows each epoch."""
+    count = len(next(iter(rows.values()))) if rows else 0
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    for first in range(0, count - micro_batch_size + 1, micro_batch_size):
+        index = order[first : first + micro_batch_size]
+        yield {key: column[index] for key, column in rows.items()}
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

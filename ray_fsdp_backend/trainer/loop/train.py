@@ -51,6 +51,7 @@ from ray_fsdp_backend.trainer.data.corpus import (
     load_corpus,
     tokenize_corpus,
 )
+from ray_fsdp_backend.trainer.data.sft import is_small
 from ray_fsdp_backend.trainer.data.sft_batches import EVAL_DATASET, SftBatches, eval_batches
 from ray_fsdp_backend.trainer.loop.evaluation import evaluate
 from ray_fsdp_backend.trainer.loop.loss import prepare_loss
@@ -307,8 +308,10 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
     """This rank's micro-batch stream: the sharded corpus, or its Ray Data shard."""
     opts, seq_len = spec.train, spec.model.seq_len
     if spec.data.is_sft:  # rfb.sft_dataset rows, built on the driver
-        shard = ray.train.get_dataset_shard("train")
-        return SftBatches(shard, opts.micro_batch_size, dp_size, seq_len=seq_len, seed=opts.seed)
+        shard, small = ray.train.get_dataset_shard("train"), is_small(spec.data.path)
+        return SftBatches(
+            shard, opts.micro_batch_size, dp_size, seq_len=seq_len, seed=opts.seed, hold_rows=small
+        )
     if spec.data.source == "ray_data":
         shard = ray.train.get_dataset_shard("train")
         return RayDataBatches(shard, opts.micro_batch_size, dp_size)
