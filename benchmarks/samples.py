@@ -6,10 +6,12 @@ summary lines into every block marked ``<!-- sample: NAME -->`` (README.md's
 quick start, docs/monitoring.md's progress line), so the numbers shown are
 the numbers a run prints; then docs/finetuning.md's fine-tuning example
 (``ray-fsdp train examples/finetune_hf.yaml`` on the tiny Llama it makes
-first, as the page says). ``tests/e2e/test_quickstart.py`` compares the
-loss at steps 1 and 10 with the README's, and it and
-``tests/e2e/test_finetune_hf.py`` the whole console with the samples'
-lines; when the trainer changes them, run this command and commit the docs.
+first, as the page says) and docs/sft.md's (``examples/sft_chat.yaml`` on
+the tiny chat Llama and its records). ``tests/e2e/test_quickstart.py``
+compares the loss at steps 1 and 10 with the README's, and it,
+``tests/e2e/test_finetune_hf.py`` and ``tests/e2e/test_sft.py`` the whole
+console with the samples' lines; when the trainer changes them, run this
+command and commit the docs.
 
     python -m benchmarks.samples            # run and rewrite the samples
     python -m benchmarks.samples --check    # run and exit 1 if a sample differs
@@ -26,7 +28,12 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "docs" / "monitoring.md", REPO / "docs" / "finetuning.md"]
+DOCS = [
+    REPO / "README.md",
+    REPO / "docs" / "monitoring.md",
+    REPO / "docs" / "finetuning.md",
+    REPO / "docs" / "sft.md",
+]
 SHOWN_ROOT = "/home/me/ray_results"
 """Where the sample says the run went (the real run uses a temporary directory)."""
 _BLOCK = re.compile(r"(<!-- sample: (\w+) .*?-->\n```\n)(.*?)(```)", re.S)
@@ -49,6 +56,24 @@ def run_finetune_hf() -> str:
         )  # fmt: skip
         sets = [f"model.pretrained={pretrained}", f"model.export={export}"]
         console = run_train("examples/finetune_hf.yaml", "finetune_hf-20261205-120000", sets)
+        return console.replace(tmp, "/tmp")
+
+
+def run_sft_chat() -> str:
+    """The console of docs/sft.md's example: the tiny chat Llama and its
+    records made as the page says, then ``ray-fsdp train examples/sft_chat.yaml``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pretrained = f"{tmp}/rfb-tiny-chat"
+        subprocess.run(
+            [sys.executable, "-m", "ray_fsdp_backend.models.tiny_pretrained", pretrained, "--chat"],
+            cwd=REPO, env=_env(), check=True, capture_output=True,
+        )  # fmt: skip
+        data = f"{pretrained}/chat"
+        sets = [
+            f"model.pretrained={pretrained}", f"model.export={tmp}/rfb-tiny-chat-sft",
+            f"data.path={data}/train.jsonl", f"data.eval_path={data}/eval.jsonl",
+        ]  # fmt: skip
+        console = run_train("examples/sft_chat.yaml", "sft_chat-20261205-120000", sets)
         return console.replace(tmp, "/tmp")
 
 
@@ -80,16 +105,21 @@ _PROGRESS = re.compile(r"step +\d+/\d+ \|")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def samples(console: str, finetune_console: str | None = None) -> dict[str, str]:
+def samples(
+    console: str, finetune_console: str | None = None, sft_console: str | None = None
+) -> dict[str, str]:
     """Each sample block's text, from the quick start's console: the whole
     console, its progress lines between step 10 and the last as ``...``;
-    and the fine-tuning example's whole console (``finetune_hf``)."""
+    and the fine-tuning example's and the SFT example's whole consoles
+    (``finetune_hf``, ``sft_chat``)."""
     lines = _lines(console)
     progress = [line for line in lines if _PROGRESS.match(line)]
     step10 = next(line for line in progress if re.match(r"step +10/", line))
     blocks = {"quickstart": "\n".join(collapse_progress(lines)), "progress": step10}
     if finetune_console is not None:
         blocks["finetune_hf"] = "\n".join(collapse_progress(_lines(finetune_console)))
+    if sft_console is not None:
+        blocks["sft_chat"] = "\n".join(collapse_progress(_lines(sft_console)))
     return blocks
 
 
@@ -155,7 +185,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a sample differs")
     args = parser.parse_args(argv)
-    blocks = samples(run_quickstart(), run_finetune_hf())
+    blocks = samples(run_quickstart(), run_finetune_hf(), run_sft_chat())
     stale = []
     for path in DOCS:
         old = path.read_text()

@@ -225,7 +225,12 @@ def run_training(spec: RunSpec, name: str):
     know which cluster is theirs (:mod:`~ray_fsdp_backend.runtime.ray_start`: Ray
     Train's placement-group cleaner would search the host for one). Ctrl-C
     stops the run and the local cluster this started."""
-    quiet_driver_console(local=not os.environ.get("RAY_ADDRESS"))
+    local = not os.environ.get("RAY_ADDRESS")
+    quiet_driver_console(local=local)
+    if local and not spec.logging.verbose:
+        from ray_fsdp_backend.metrics.reporting import quiet_ray_data_console
+
+        quiet_ray_data_console()  # before the cluster starts: its processes inherit it
     import ray
 
     started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
@@ -347,16 +352,28 @@ def dataset_config(spec: RunSpec):
     the held-out set whole to every rank. ``chat`` / ``prompt_completion``
     rows keep their seeded order through the split (``preserve_order``), so a
     resume at the same worker count skips exactly the rows already read."""
-    from ray.train import DataConfig
-
     from ray_fsdp_backend.runtime.data_config import MeshDataConfig
+    from ray_fsdp_backend.trainer.data.sft import EVAL_DATASET
 
-    options = None
-    if spec.data.is_sft:
-        options = DataConfig.default_ingest_options()
-        options.preserve_order = True
-        options = {"train": options}
+    train = ingest_options(preserve_order=spec.data.is_sft)
+    options = {"train": train, EVAL_DATASET: ingest_options()}
     return MeshDataConfig(datasets_to_split=["train"], execution_options=options)
+
+
+def ingest_options(*, preserve_order: bool = False):
+    """Ray Train's ``DataConfig.default_ingest_options()`` (Ray 2.60) without
+    ``exclude_resources``, which it copies from the context and whose setter
+    warns that it is deprecated (a ``RayDeprecationWarning`` on the driver's
+    console, and the controller's for every dataset given no options).
+    ``preserve_order`` as the context's, or on."""
+    from ray.data import DataContext, ExecutionOptions
+
+    current = DataContext.get_current().execution_options
+    return ExecutionOptions(
+        resource_limits=current.resource_limits,
+        preserve_order=preserve_order or current.preserve_order,
+        verbose_progress=current.verbose_progress,
+    )
 
 
 def build_datasets(spec: RunSpec) -> dict | None:

@@ -20,9 +20,14 @@ model's FLOPs per token and the device's peak FLOP/s already resolved::
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import logging
+import os
 import resource
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Mapping
@@ -240,6 +245,8 @@ def quiet_console(verbose: bool) -> None:
     show_ray_report_lines(verbose)
     if verbose:
         return
+    for name, level in QUIET_RAY_DATA_LOGGERS.items():  # this worker's own executions
+        logging.getLogger(name).setLevel(level)
     # peft 0.21's get_peft_model reads model.is_gradient_checkpointing
     # (peft/peft_model.py), a property transformers 5.x deprecated in favour
     # of is_activation_checkpointing: a FutureWarning per worker that no
@@ -247,3 +254,48 @@ def quiet_console(verbose: bool) -> None:
     warnings.filterwarnings(
         "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
     )
+
+
+QUIET_RAY_DATA_LOGGERS = {
+    # Ray 2.60 warns "Progress bars disabled. To enable, set ..." once per
+    # process that runs a dataset with progress bars off (the driver, each
+    # split's coordinator, each worker reading the held-out set).
+    "ray.data._internal.progress": "ERROR",
+    # Ray 2.60 logs "Dataset NAME execution finished in N seconds" at INFO for
+    # every execution: each epoch of a streamed split, each held-out pass.
+    "ray.data._internal.execution.streaming_executor": "WARNING",
+}
+"""Ray Data's loggers a quiet console raises above the lines it would print
+(``ray-fsdp train`` without ``-v``); the levels apply to Ray Data's log file
+(``logs/ray-data/ray-data.log`` in the session) too."""
+
+RAY_DATA_LOGGING_CONFIG = "RAY_DATA_LOGGING_CONFIG"
+"""Ray Data's variable naming its logging config (a YAML file), read by
+every process when it imports ``ray.data``."""
+
+
+def quiet_ray_data_console() -> None:
+    """Ray Data's console without the lines :data:`QUIET_RAY_DATA_LOGGERS`
+    names, in this process and in every process started after this call with
+    its environment (a local cluster's: the split coordinators, Ray Data's
+    tasks, the training workers). Ray Data configures its loggers from the
+    YAML file :data:`RAY_DATA_LOGGING_CONFIG` names; this writes Ray's own
+    default config with those levels added to a file in the temporary
+    directory (named by its content) and points the variable at it. A config
+    of the user's (the variable set already) is left alone. Call it on the
+    driver before Ray starts."""
+    if RAY_DATA_LOGGING_CONFIG in os.environ:
+        return
+    from ray.data._internal import logging as data_logging
+
+    config = copy.deepcopy(data_logging.DEFAULT_CONFIG)
+    config["loggers"].update({name: {"level": lv} for name, lv in QUIET_RAY_DATA_LOGGERS.items()})
+    text = json.dumps(config, sort_keys=True)  # JSON is YAML
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"ray_fsdp_backend-ray-data-logging-{digest}.yaml")
+    if not os.path.exists(path):
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False) as f:
+            f.write(text)
+        os.replace(f.name, path)  # whole or absent: another run may read it now
+    os.environ[RAY_DATA_LOGGING_CONFIG] = path
+    data_logging.configure_logging()

@@ -4,7 +4,9 @@ examples/sft_chat.yaml`` (at 50 steps) with the chat records as parquet on a rea
 template, 2 CPU workers, one Ray session (the command's). The loss falls,
 the held-out loss is logged, and the merged export, loaded by
 ``transformers`` alone in a fresh process and asked a training question
-through the chat template, answers it greedily with the trained answer."""
+through the chat template, answers it greedily with the trained answer. The
+same run's console is docs/sft.md's sample, line for line (numbers and paths
+aside), with no warning line docs/monitoring.md does not list."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.console import assert_console_is_sample, assert_quiet
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -95,10 +99,15 @@ def test_sft_chat_yaml_from_s3_parquet_to_a_model_that_answers(s3_server, tmp_pa
             "--set", f"run.storage_path={tmp_path}", "--set", "run.name=sft",
             "--set", f"train.steps={STEPS}",
         ],
-        cwd=REPO, env=_s3_env(s3_server), capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=_s3_env(s3_server), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=600,
     )  # fmt: skip
-    log = out.stdout + out.stderr
+    log = out.stdout  # stdout and stderr as a terminal interleaves them
     assert out.returncode == 0, log[-4000:]
+    # What a user watches: docs/sft.md's console (no Ray Data progress, deprecation
+    # or execution lines), as quiet as the quick start's.
+    assert_console_is_sample(log, REPO / "docs" / "sft.md", "sft_chat")
+    assert_quiet(log)
     summary = re.search(rf"loss (\S+) \(step 1\) -> (\S+) \(step {STEPS}\)", log)
     first, last = map(float, summary.groups())
     assert last < 0.5 * first, (first, last)
