@@ -34,7 +34,7 @@ from ray_fsdp_backend.trainer.schema.spec import (
     RunSpec,
     apply_overrides,
     build_spec,
-    check_spec,
+    check_spec_report,
     load_yaml,
 )
 
@@ -116,11 +116,13 @@ def load(path: str, overrides: Sequence[str]) -> RunSpec:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Print ``OK`` or every error for each config; exit 1 if any is invalid."""
+    """Print ``OK`` (and an SFT config's record counts) or every error for
+    each config; exit 1 if any is invalid."""
     failed = 0
     for path in args.configs:
+        counted = []
         try:
-            errors = check_spec(apply_overrides(load_yaml(path), args.overrides))
+            errors, counted = check_spec_report(apply_overrides(load_yaml(path), args.overrides))
         except Exception as exc:  # unreadable file or broken YAML: one error for this file
             errors = [f"{type(exc).__name__}: {exc}"]
         if errors:
@@ -135,6 +137,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     print(f"    {command}")
         else:
             print(f"{path}: OK")
+            for line in counted:
+                print(f"  {line}")
     return 1 if failed else 0
 
 

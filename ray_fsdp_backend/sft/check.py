@@ -73,13 +73,15 @@ class RecordCheck:
         if len(self.problems) < PROBLEMS_SHOWN:
             self.problems.append(message)
 
-    def summary(self) -> str:
-        """The records read and refused, then the counts of each split that has records."""
+    def summary(self, names: dict[str, str] | None = None) -> str:
+        """The records read and refused, then the counts of each split that
+        has records (``names``: a split's name shown, if not its own)."""
         lines = [f"{self.read} records read, {self.problem_count} refused"]
         for split, c in self.counts.items():
             if c["records"] or split == "train":
+                name = (names or {}).get(split, split)
                 lines.append(
-                    f"{split}: {c['records']} records, {c['documents']} rendered, "
+                    f"{name}: {c['records']} records, {c['documents']} rendered, "
                     f"{c['truncated']} truncated to seq_len, {c['dropped']} dropped (no target "
                     f"left within seq_len), {c['rows']} rows, {c['padding']} padding tokens"
                 )

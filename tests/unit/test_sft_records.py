@@ -220,7 +220,8 @@ def _phi3_multi(i: int) -> dict:
     """Two exchanges: Phi-3 writes EOS only at the very end, so the first
     answer renders apart (a document of its own)."""
     user, answer = {"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hi."}
-    return {"messages": [user, answer, {"role": "user", "content": "Again?"}, ANSWER]}
+    again = {"role": "user", "content": "Again?"}
+    return {"messages": [user, answer, again, dict(ANSWER)]}  # a copy: tests set its weight
 
 
 def test_a_record_of_several_documents_counts_once_as_a_record(tmp_path):
@@ -284,3 +285,42 @@ def test_the_check_cache_covers_chat_template_and_its_kwargs(tmp_path, monkeypat
         path, st.tokenizer(), seq_len=64, chat_template=str(template), chat_template_kwargs=kwargs
     )
     assert len(calls) == 3
+
+
+def test_validate_prints_the_counts_of_a_valid_sft_config(chat_model, tmp_path, capsys):
+    """``ray-fsdp validate`` on a valid SFT config prints, under OK, each
+    file's records read, rendered, truncated, dropped (by reason), rows and
+    padding: here one record a row (no packing), counted by hand from the
+    tokenizer's own rendering."""
+    from transformers import AutoTokenizer
+
+    from ray_fsdp_backend.cli.main import main
+
+    seq = 128
+    long_answer = {"role": "assistant", "content": " ".join(["four"] * 60)}
+    long_prompt = {"role": "user", "content": " ".join(["what"] * 60)}
+    records = [_good(0), _good(1), {"messages": [USER, long_answer]}]
+    records += [{"messages": [long_prompt, ANSWER]}]  # its answer past seq_len: dropped
+    data = _write_jsonl(tmp_path / "a.jsonl", records)
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"distributed: {{}}\nmodel: {{pretrained: {chat_model}, seq_len: {seq}}}\n"
+        f"data: {{format: chat, path: {data}, packing: false}}\n"
+        "train: {steps: 1, micro_batch_size: 1}\nscaling: {num_workers: 1}\n"
+    )
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    rendered = [tok.apply_chat_template(r["messages"], return_dict=True) for r in records]
+    lengths = [len(r["input_ids"]) for r in rendered]
+    assert lengths[0] < seq and lengths[1] < seq and lengths[2] > seq and lengths[3] > seq
+    padding = (seq - lengths[0]) + (seq - lengths[1])  # the truncated row is full
+
+    code = main(["validate", str(config)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.splitlines()[0] == f"{config}: OK", out
+    assert out.splitlines()[1] == (
+        "  data.path: 4 records read, 0 refused; train: 4 records, 3 rendered, "
+        "2 truncated to seq_len, 1 dropped (no target left within seq_len), 3 rows, "
+        f"{padding} padding tokens"
+    ), out
+

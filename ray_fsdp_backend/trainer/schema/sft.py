@@ -42,31 +42,41 @@ def sft_input_errors(data, model, train=None, scaling=None, group: int = 1) -> l
     ``scaling``, a training set that would leave a data-parallel rank fewer
     rows than one micro-batch, or an empty held-out set. ``group``: the ranks
     of one tp x cp x pp group (they share a dp rank's rows)."""
+    return sft_input_check(data, model, train, scaling, group)[0]
+
+
+def sft_input_check(
+    data, model, train=None, scaling=None, group: int = 1
+) -> tuple[list[str], list[str]]:
+    """:func:`sft_input_errors`'s errors, and the counts of each file checked
+    without one (``data.path: N records read, ...``: what ``validate`` prints)."""
     from ray_fsdp_backend.hf.metadata import load_tokenizer
     from ray_fsdp_backend.sft import check_sft_source
 
     try:
         tokenizer = load_tokenizer(model.pretrained)
     except (OSError, ValueError) as exc:
-        return [f"model.pretrained={model.pretrained!r}: its tokenizer cannot be loaded: {exc}"]
+        return [f"model.pretrained={model.pretrained!r}: its tokenizer cannot be loaded: {exc}"], []
     seed = train.seed if train is not None else 0
     options = sft_options(data, model.seq_len)
     checks = {"data.path": (data.path, split_options(data, seed))}
     if data.eval_path is not None:
         checks["data.eval_path"] = (data.eval_path, {})
-    errors, rows = [], {}
+    errors, rows, summaries = [], {}, []
     for key, (path, split) in checks.items():
         try:
-            counts = check_sft_source(path, tokenizer, **split, **options).counts
+            checked = check_sft_source(path, tokenizer, **split, **options)
         except (OSError, ValueError) as exc:  # SFTDataError is a ValueError
             errors.append(f"{key}={path!r}: {exc}")
             continue
-        rows["train" if key == "data.path" else "eval"] = counts["train"]["rows"]
+        names = {"train": "held out"} if key == "data.eval_path" else {"eval": "held out"}
+        summaries.append(f"{key}: {checked.summary(names)}")
+        rows["train" if key == "data.path" else "eval"] = checked.counts["train"]["rows"]
         if data.eval_fraction is not None:
-            rows["eval"] = counts["eval"]["rows"]
+            rows["eval"] = checked.counts["eval"]["rows"]
     if errors or train is None or scaling is None:
-        return errors
-    return row_errors(data, rows, train, scaling, group)
+        return errors, summaries
+    return row_errors(data, rows, train, scaling, group), summaries
 
 
 def row_errors(data, rows: dict[str, int], train, scaling, group: int) -> list[str]:

@@ -133,6 +133,12 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
     Rules that span sections (``optimizer`` against ``use_dmuon``) are checked
     whenever the sections they involve are valid on their own.
     """
+    return check_spec_report(doc)[0]
+
+
+def check_spec_report(doc: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """:func:`check_spec`'s errors, and what the check counted in the data
+    (an SFT run's records, rows and padding per file: ``validate`` prints them)."""
     errors = [
         f"unknown section {key!r}; sections are {', '.join(_SECTIONS)}"
         for key in doc
@@ -151,13 +157,16 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
         if not section_errors:
             built[name] = build(section)
     errors += cross_section_errors(built)
-    data = built.get("data")
+    data, counted = built.get("data"), []
     if not errors and data is not None and data.is_sft:  # reads records: once all else holds
-        from ray_fsdp_backend.trainer.schema.sft import sft_input_errors
+        from ray_fsdp_backend.trainer.schema.sft import sft_input_check
 
         group = model_group(built.get("distributed"))
-        errors += sft_input_errors(data, built["model"], built["train"], built["scaling"], group)
-    return errors
+        found, counted = sft_input_check(
+            data, built["model"], built["train"], built["scaling"], group
+        )
+        errors += found
+    return errors, counted
 
 
 def build_spec(doc: Mapping[str, Any], *, torch_config: bool = True) -> RunSpec:
