@@ -324,3 +324,21 @@ def test_validate_prints_the_counts_of_a_valid_sft_config(chat_model, tmp_path, 
         f"{padding} padding tokens"
     ), out
 
+
+def test_the_driver_hashes_the_record_files_once_per_process(chat_model, tmp_path):
+    """``train`` checks the records three times on the driver (the config's
+    check, then ``rfb.sft_dataset`` for the training and the held-out
+    split): the files are read to hash them once while they stay the same,
+    and again once they change."""
+    from ray_fsdp_backend.sft.check_cache import STATS
+
+    path = _write_jsonl(tmp_path / "a.jsonl", [_good(i) for i in range(12)])
+    before = STATS["files_hashed"]
+    assert _validate(chat_model, path, eval_fraction=0.25) == []  # the config's check
+    tok = st.tokenizer()
+    for _ in ("train", "eval"):  # what build_sft_datasets' two sft_dataset calls check
+        check_sft_source(path, tok, seq_len=128, eval_fraction=0.25, seed=0)
+    assert STATS["files_hashed"] == before + 1
+    _write_jsonl(tmp_path / "a.jsonl", [_good(i) for i in range(13)])
+    check_sft_source(path, tok, seq_len=128, eval_fraction=0.25, seed=0)
+    assert STATS["files_hashed"] == before + 2
