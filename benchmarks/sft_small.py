@@ -5,11 +5,13 @@ packed rows of 256 tokens, 2 CPU workers, the same rows per step) twice: on
 30 records, which is an epoch every step or two, and on 3,000. Before a small
 dataset's rows were kept (``trainer/data/sft.py``, ``SMALL_DATASET_BYTES``)
 each epoch re-read, re-rendered and re-tokenized the records inside the
-step; now both runs read rows. Printed: the mean and the median
+step; then each epoch still ran Ray Data's split over the kept rows; now
+each rank reads its shard once and permutes the held rows every epoch
+(``SftBatches(hold_rows=True)``). Printed: the mean and the median
 ``step_time_s`` over the steps after the first ``--warmup``
 (``metrics.jsonl``, one line a step) of each run, and the ratio of the means
 (the issue's bar: within 1.2x). The mean is the figure: the small set's
-cost is a spike at each epoch's first step, which the median hides.
+cost was a spike at each epoch's first step, which the median hides.
 
     python -m benchmarks.sft_small                 # 30 steps each
     python -m benchmarks.sft_small --steps 60 --warmup 10
