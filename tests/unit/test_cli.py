@@ -127,12 +127,17 @@ def test_validate_reports_every_error_in_one_file(capsys, tmp_path):
     assert "5 errors" in out
 
 
-@pytest.mark.parametrize("name", ["moe_ep", "sft_chat", "finetune_qlora"])
+@pytest.mark.parametrize(
+    "name",
+    ["moe_ep", "sft_chat", "finetune_qlora", "finetune_hf", "finetune_lora", "pipeline_tiny"],
+)
 def test_validate_on_a_fresh_clone_names_the_command_that_makes_what_is_missing(
     capsys, tmp_path, name
 ):
     """The example as a fresh clone has it, its checkpoint not made yet (the
-    path moved under ``tmp_path``): the error comes with the header's command."""
+    path moved under ``tmp_path``): the error names the missing directory
+    (under pipeline parallelism too, whose split reads the checkpoint) and
+    comes with the header's command."""
     text = (EXAMPLES / f"{name}.yaml").read_text()
     text = text.replace("/tmp/rfb-tiny", f"{tmp_path}/rfb-tiny")
     path = tmp_path / f"{name}.yaml"
@@ -140,6 +145,8 @@ def test_validate_on_a_fresh_clone_names_the_command_that_makes_what_is_missing(
     rc, out, _ = run(capsys, "validate", str(path))
     assert rc == 1 and "its comments create what it reads first:" in out
     assert f"python -m ray_fsdp_backend.models.tiny_pretrained {tmp_path}/rfb-tiny" in out
+    assert f"model.pretrained='{tmp_path}/rfb-tiny" in out and "directory not found" in out
+    assert "Error:" not in out, out  # no library's exception in place of the key's error
 
 
 def test_validate_reports_broken_yaml(capsys, tmp_path):

@@ -37,18 +37,18 @@ def cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         train, built.get("scaling"), group
     )
     errors += _context_parallel_errors(dist, model, data, built.get("scaling"))
-    if dist is not None and dist.pipeline_parallel_size > 1:  # the split imports torch
-        from ray_fsdp_backend.trainer.schema.pipeline import pipeline_errors
+    # the checkpoint exists, LoRA targets match: before the rules that read it (the split)
+    checkpoint = model.check() if isinstance(model, PretrainedModelConfig) else []
+    if dist is not None and dist.pipeline_parallel_size > 1 and not checkpoint:
+        from ray_fsdp_backend.trainer.schema.pipeline import pipeline_errors  # imports torch
 
         errors += pipeline_errors(dist, model, train, data)
     errors += tensor_parallel_errors(dist, model)
     errors += qlora_errors(dist, model)
     if isinstance(model, ModelConfig) and model.vocab_size != 256:
         errors.append(f"model.vocab_size={model.vocab_size} must be 256 (byte tokens)")
-    if isinstance(model, PretrainedModelConfig):
-        # the checkpoint exists, LoRA targets match, its shapes fit the layout: before Ray starts
-        found = model.check()
-        errors += found or _pretrained_layout_errors(model, dist, built.get("scaling"))
+    if isinstance(model, PretrainedModelConfig):  # its shapes fit the layout: before Ray starts
+        errors += checkpoint or _pretrained_layout_errors(model, dist, built.get("scaling"))
     if built.get("run") is not None:
         errors += storage_errors(built["run"].storage_path)
     if data is not None:
