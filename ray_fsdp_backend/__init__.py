@@ -34,6 +34,8 @@ _EXPORTS = {
     "check_sft_source": "ray_fsdp_backend.sft",
     "sft_dataset": "ray_fsdp_backend.sft",
     "sft_stats": "ray_fsdp_backend.sft",
+    "check_preference_source": "ray_fsdp_backend.preference.dataset",
+    "preference_dataset": "ray_fsdp_backend.preference.dataset",
 }
 
 __all__ = [
@@ -49,10 +51,12 @@ __all__ = [
     "ShardingStrategy",
     "TrainContext",
     "build_strategy",
+    "check_preference_source",
     "check_sft_source",
     "get_context",
     "linear_cross_entropy",
     "load_pretrained",
+    "preference_dataset",
     "sft_dataset",
     "sft_stats",
 ]
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
     from ray_fsdp_backend.ops.loss import linear_cross_entropy
+    from ray_fsdp_backend.preference.dataset import check_preference_source, preference_dataset
     from ray_fsdp_backend.runtime.backend import FSDPConfig
     from ray_fsdp_backend.runtime.context import TrainContext, get_context
     from ray_fsdp_backend.runtime.data_config import MeshDataConfig
