@@ -131,7 +131,7 @@ LAYERS = (
     ("checkpoint", "hf", "dmuon", "metrics"),
     ("pipeline",),
     ("runtime",),
-    ("sft",),
+    ("sft", "preference"),
     ("",),
     ("trainer.schema",),
     ("trainer.data",),

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from ray_fsdp_backend.distributed.step_guard import step_if_finite
+from ray_fsdp_backend.ops.head import prepare_loss
 from ray_fsdp_backend.trainer.loop.dpo import DPOObjective
-from ray_fsdp_backend.trainer.loop.loss import MicroBatchLoss, prepare_loss
+from ray_fsdp_backend.trainer.loop.loss import MicroBatchLoss
 from ray_fsdp_backend.trainer.loop.objectives import Objective, local_value
 from ray_fsdp_backend.trainer.loop.pipeline import pipeline_loss
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
@@ -64,11 +65,11 @@ def train_step(
     step's labels, so the gradient is that of the mean over every valid
     token of the step whatever the layout, and an elastic resize that
     changes ``grad_accum`` does not change the weighting. ``head``: the
-    loss's output head (:func:`~ray_fsdp_backend.trainer.loop.loss.prepare_loss`;
+    loss's output head (:func:`~ray_fsdp_backend.ops.head.prepare_loss`;
     resolved from the model when not given). With ``pipeline_parallel_size
     > 1`` the micro-batches go through ``ctx.pipeline_step`` as one batch
     (:mod:`~ray_fsdp_backend.trainer.loop.pipeline`). ``objective``: what
-    each micro-batch's loss is (:func:`~ray_fsdp_backend.trainer.loop.objectives.build_objective`,
+    each micro-batch's loss is (:func:`build_objective`,
     chosen once per run; built from ``spec`` when not given): the step
     divides its sums by its count (tokens, or pairs for ``dpo``)."""
     if ctx.pp_size == 1 and objective is None:
