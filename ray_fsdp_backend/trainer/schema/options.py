@@ -15,6 +15,7 @@ from typing import Any
 from ray_fsdp_backend.planning.elastic import worker_range
 from ray_fsdp_backend.planning.memory import DEFAULT_CHUNK_TOKENS
 from ray_fsdp_backend.settings.config import unknown_key_message
+from ray_fsdp_backend.trainer.schema.preference import OBJECTIVES, DPOOptions
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")
@@ -75,6 +76,13 @@ class TrainOptions:
     """Tokens per chunk of the cross-entropy, which then never holds the whole
     ``[tokens, vocab]`` logits (``rfb.linear_cross_entropy``; docs/parallelism.md);
     0: ``F.cross_entropy`` on the full fp32 logits."""
+    objective: str = "sft"
+    """``sft``: next-token cross-entropy. ``dpo`` (``train.dpo``) or
+    ``reward`` (a Bradley-Terry reward model): preference pairs of
+    ``data.format: preference`` (docs/preference.md)."""
+    dpo: DPOOptions = DPOOptions()
+    """``objective: dpo``: the loss type, ``beta``, the reference model
+    (:class:`~ray_fsdp_backend.trainer.schema.preference.DPOOptions`)."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,7 @@ _CHOICES = {
     "checkpoint_async": (True, False),
     "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "verbose": (True, False),
+    "objective": OBJECTIVES,
 }
 _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
 _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_interval_s"}
@@ -233,7 +242,10 @@ def _build_options(cls: type, section: str, values: Mapping[str, Any]) -> Any:
         raise ValueError("; ".join(unknown_key_message(k, known, section) for k in unknown))
     for key, value in values.items():
         _check_option(key, value)
-    return cls(**dict(values))
+    values = dict(values)
+    if "dpo" in values:  # a nested section: its own checks name dpo.<key>
+        values["dpo"] = DPOOptions.from_dict(values["dpo"])
+    return cls(**values)
 
 
 def _check_option(key: str, value: Any) -> None:
