@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ray_fsdp_backend.compat.peft import peft_base, unwrap
 from ray_fsdp_backend.hf.models import SCORE_HEAD
+from ray_fsdp_backend.ops.head import LossHead, keep_head_gathered
+from ray_fsdp_backend.ops.sequences import sequence_sums
 from ray_fsdp_backend.planning.topology import CP_AXIS
 
 
@@ -45,24 +46,14 @@ def score_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def keep_gathered(model: nn.Module, head: nn.Module) -> None:
-    """Keep the FSDP unit holding ``head`` gathered after forward: the loss
-    uses the head's per-token output, not the unit's own output, so no
-    pre-backward hook of that unit gathers its weight again for backward."""
-    owner = None
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and any(m is head for m in module.modules()):
-            owner = module  # modules() walks outer to inner
-    if owner is not None:
-        owner.set_reshard_after_forward(False, recurse=False)
-
-
 def token_scores(ctx, model: nn.Module, batch: dict) -> torch.Tensor:
     """The head's value at every token, ``[rows, seq]`` fp32, from one forward
     of ``batch`` (as ``ctx.shard_sequence`` returned it; its ``position_ids``
     passed to the model, which keeps packed documents apart)."""
     head = score_head(model)
-    keep_gathered(model, head)
+    # The loss uses the head's per-token output, not the output of the FSDP
+    # unit holding it: keep its weight gathered for backward.
+    keep_head_gathered(model, LossHead(head))
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
@@ -88,13 +79,9 @@ def sequence_scores(ctx, values: torch.Tensor, batch: dict) -> tuple[torch.Tenso
     if group is not None:
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
     at_last = valid & (positions == last.gather(1, slot))
-    picked = torch.where(at_last, values, torch.zeros_like(values))
-    scores = values.new_zeros(last.shape).scatter_add(1, slot, picked)
-    if group is not None:
-        from torch.distributed.nn.functional import all_reduce
-
-        scores = all_reduce(scores, group=group)
-    return scores, last >= 0
+    ids = torch.where(at_last, sequence_ids, -1)  # each sequence: its last token alone
+    sums = sequence_sums(values, ids, group=group, num_sequences=width)
+    return sums.sums, sums.counts > 0
 
 
 def pair_scores(ctx, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

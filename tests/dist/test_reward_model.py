@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_fsdp_backend.runtime.worker import setup_process_context
-from ray_fsdp_backend.settings.config import FSDPSettings
+from ray_fsdp_backend.trainer.schema.spec import build_spec
 from tests.dist.harness import run_ranks
 from tests.hf_models import VOCAB, save_tiny_pretrained
 
@@ -59,9 +59,10 @@ def _pairs() -> list[list[tuple[list[int], list[int]]]]:
 def _packed(rows) -> dict[str, torch.Tensor]:
     """The rows as ``rfb.preference_dataset`` makes them (its padding: a
     document of its own at the row's end, sequence id -1)."""
-    out = {k: torch.full((ROWS, SEQ), -1, dtype=torch.long) for k in ("sequence_ids",)}
+    out = {k: torch.full((ROWS, SEQ), -1, dtype=torch.long) for k in ("sequence_ids", "pair_index")}
     out["input_ids"] = torch.zeros((ROWS, SEQ), dtype=torch.long)
     out["position_ids"] = torch.zeros((ROWS, SEQ), dtype=torch.long)
+    index = 0
     for r, pairs in enumerate(rows):
         at = 0
         for p, pair in enumerate(pairs):
@@ -69,39 +70,55 @@ def _packed(rows) -> dict[str, torch.Tensor]:
                 out["input_ids"][r, at : at + len(doc)] = torch.tensor(doc)
                 out["position_ids"][r, at : at + len(doc)] = torch.arange(len(doc))
                 out["sequence_ids"][r, at : at + len(doc)] = 2 * p + s
+                out["pair_index"][r, at : at + len(doc)] = index
                 at += len(doc)
+            index += 1
         out["position_ids"][r, at:] = torch.arange(SEQ - at)
     out["labels"] = torch.full((ROWS, SEQ), -100, dtype=torch.long)
     return out
 
 
-def _layout(path, export, name, extra, rows):
-    from ray_fsdp_backend.hf.models import build_sequence_classifier
-    from ray_fsdp_backend.preference.reward import pair_scores
+def _spec(path, extra):
+    """The trainer's run spec of a reward model at this layout (its data
+    only for the checks: the rows here are packed by hand)."""
+    pairs = os.path.join(path, "pairs.jsonl")
+    return build_spec({
+        "distributed": {"use_fsdp": True, "use_mixed_precision": False, **extra},
+        "model": {"pretrained": path, "seq_len": SEQ},
+        "train": {"objective": "reward", "micro_batch_size": 1, "seed": SEED},
+        "data": {"format": "preference", "path": pairs},
+        "scaling": {"num_workers": 4, "use_gpu": False},
+    })  # fmt: skip
 
-    settings = {"use_fsdp": True, "use_mixed_precision": False, **extra}
-    ctx = setup_process_context(FSDPSettings(**settings), torch.device("cpu"))
-    torch.manual_seed(SEED)
-    model = ctx.wrap(build_sequence_classifier(path))
-    ctx.load_pretrained(model, path)
+
+def _layout(path, export, name, extra, rows):
+    from ray_fsdp_backend.preference.reward import pair_scores
+    from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
+    from ray_fsdp_backend.trainer.loop.step import accumulate, build_objective
+
+    spec = _spec(path, extra)
+    ctx = setup_process_context(spec.distributed, torch.device("cpu"))
+    torch.manual_seed(SEED)  # as setup_run seeds the build
+    model = build_pretrained(ctx, spec.model, reward=True)
     per = ROWS // ctx.dp_size
     packed = _packed(rows)
     mine = {k: v[ctx.dp_rank * per : (ctx.dp_rank + 1) * per] for k, v in packed.items()}
     batch = ctx.shard_sequence(mine)
-    chosen, rejected = pair_scores(ctx, model, batch)
-    count = torch.tensor(float(chosen.numel()))
-    dist.all_reduce(count)
-    loss = -F.logsigmoid(chosen - rejected).sum() / (count / dist.get_world_size())
-    loss.backward()
+    with torch.no_grad():
+        chosen, rejected = pair_scores(ctx, model, batch)
+    # The trainer's step: the objective's loss sum over the step's pair count, backward.
+    total, _, stats = accumulate(ctx, model, [batch], build_objective(ctx, model, spec))
     norm = ctx.clip_grad_norm(model, None)
-    total = loss.detach().clone()
     dist.all_reduce(total)
     scores = [None] * dist.get_world_size()
     dist.all_gather_object(scores, (ctx.dp_rank, ctx.cp_rank, chosen.tolist(), rejected.tolist()))
     if export is not None:
         ctx.export_model(model, export)
+    for value in stats.values():
+        dist.all_reduce(value)
     return {
         "loss": float(total) / dist.get_world_size(),
+        "stats": {k: float(v) / dist.get_world_size() for k, v in stats.items()},
         "norm": float(norm),
         "scores": sorted(s for s in scores if s[1] == 0),
     }
@@ -118,6 +135,9 @@ def _checks(rank, world, path, export):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     path = save_tiny_pretrained("llama", str(tmp_path_factory.mktemp("llama")))
+    with open(os.path.join(path, "pairs.jsonl"), "w") as f:  # for the spec's data checks
+        for i in range(200):
+            f.write(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n")
     export = os.path.join(str(tmp_path_factory.mktemp("export")), "reward")
     return {"path": path, "export": export, **run_ranks(_checks, 4, path, export)}
 
@@ -137,7 +157,7 @@ def _reference(export):
     loss = -F.logsigmoid(chosen - rejected).mean()
     loss.backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    return chosen.detach(), rejected.detach(), float(loss), float(norm)
+    return chosen.detach(), rejected.detach(), float(loss.detach()), float(norm)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -149,6 +169,15 @@ def test_packed_scores_equal_the_classifier_one_sequence_at_a_time(spawned, layo
     torch.testing.assert_close(got_chosen, chosen, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_rejected, rejected, atol=1e-5, rtol=1e-5)
     assert abs(got["loss"] - loss) / loss < 1e-5, (got["loss"], loss)
+    margins = chosen - rejected
+    want = {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/margins": margins.mean(),
+        "rewards/accuracies": (margins > 0).float().mean(),
+    }
+    for key, value in want.items():
+        assert abs(got["stats"][key] - float(value)) < 1e-5, (key, got["stats"][key], value)
     assert abs(got["norm"] - norm) / norm < 1e-5, (got["norm"], norm)
 
 

@@ -135,6 +135,10 @@ def build_objective(ctx, model: nn.Module, spec: RunSpec, head=...) -> Objective
     """The run's objective, chosen once from ``train.objective``. ``head``:
     :func:`~ray_fsdp_backend.trainer.loop.loss.prepare_loss`'s result
     (resolved from the model when not given)."""
+    if spec.train.objective == "reward":  # a scalar head: no vocabulary head to prepare
+        from ray_fsdp_backend.trainer.loop.reward import RewardObjective
+
+        return RewardObjective(spec)
     if head is ...:
         head = prepare_loss(model, spec.train.loss_chunk_tokens)
     if spec.train.objective == "dpo":

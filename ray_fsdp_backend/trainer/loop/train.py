@@ -175,7 +175,8 @@ def setup_run(
     opts = spec.train
     torch.manual_seed(opts.seed)
     if isinstance(spec.model, PretrainedModelConfig):
-        model = build_pretrained(ctx, spec.model)  # wraps, then loads shard by shard
+        reward = opts.objective == "reward"  # the decoder with a scalar head
+        model = build_pretrained(ctx, spec.model, reward=reward)  # wraps, then loads by shard
     else:
         with torch.device("meta"):
             model = Transformer(spec.model)
@@ -186,7 +187,8 @@ def setup_run(
     checkpoints = CheckpointHooks(
         ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async, report=report
     )
-    loss_head = None if ctx.pp_size > 1 else prepare_loss(model, opts.loss_chunk_tokens)
+    no_head = ctx.pp_size > 1 or opts.objective == "reward"  # reward: a scalar head
+    loss_head = None if no_head else prepare_loss(model, opts.loss_chunk_tokens)
     objective = None if ctx.pp_size > 1 else build_objective(ctx, model, spec, loss_head)
     extra = checkpoints.restore(model, optimizer, schedule, batches) if resume else {}
     held_out = ray.train.get_dataset_shard(EVAL_DATASET) if spec.data.has_eval else None

@@ -161,4 +161,29 @@ def preference_errors(train, data, model, dist) -> list[str]:
             "train.dpo.reference='adapters' needs model.lora: the reference is the LoRA model "
             "with its adapters disabled; full fine-tuning uses precompute or frozen"
         )
+    if objective == "reward":
+        errors += reward_errors(model, dist)
+    return errors
+
+
+def reward_errors(model, dist) -> list[str]:
+    """What ``train.objective: reward`` (a scalar head on the decoder) needs."""
+    if model is not None and not hasattr(model, "pretrained"):
+        return [
+            "train.objective='reward' needs model.pretrained: the reward model is a "
+            "pretrained decoder with a scalar head (AutoModelForSequenceClassification)"
+        ]
+    errors = []
+    if dist is not None and dist.tensor_parallel_size > 1:
+        errors.append(
+            f"train.objective='reward' with distributed.tensor_parallel_size="
+            f"{dist.tensor_parallel_size}: not supported (the scalar head has no tp plan); "
+            "use FSDP / HSDP / cp"
+        )
+    if getattr(model, "export_format", "hf") == "peft":
+        errors.append(
+            "train.objective='reward' with model.export_format='peft': the score head "
+            "trains whole, not as an adapter, and a PEFT adapter directory would lose it; "
+            "use export_format: hf (adapters merged, score.weight beside them)"
+        )
     return errors
