@@ -19,9 +19,10 @@ from ray_fsdp_backend.trainer.schema.preference import OBJECTIVES, DPOOptions
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")
-DATA_FORMATS = ("text", "chat", "prompt_completion", "sharegpt", "alpaca")
-SFT_FORMATS = ("chat", "prompt_completion", "sharegpt", "alpaca")
-"""The formats ``rfb.sft_dataset`` reads (records of a JSONL / parquet dataset)."""
+DATA_FORMATS = ("text", "chat", "prompt_completion", "sharegpt", "alpaca", "preference")
+SFT_FORMATS = ("chat", "prompt_completion", "sharegpt", "alpaca", "preference")
+"""The formats of records in a JSONL / parquet dataset, checked on the driver:
+``rfb.sft_dataset`` reads them, ``rfb.preference_dataset`` reads ``preference``."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,13 @@ class DataOptions:
     """``format: prompt_completion``: the prompt's field."""
     completion_field: str = "completion"
     """``format: prompt_completion``: the completion's field."""
+    chosen_field: str = "chosen"
+    """``format: preference``: the preferred response's field (text or messages)."""
+    rejected_field: str = "rejected"
+    """``format: preference``: the dispreferred response's field. A preference
+    record is ``{prompt, chosen, rejected}`` (``prompt_field``; without it
+    the prompt is the responses' shared prefix), each text or chat messages
+    (docs/preference.md)."""
     train_on_prompt: bool = False
     """``chat`` / ``prompt_completion``: False puts the loss on the assistant
     turns (or the completion) only; True on every token."""
@@ -223,6 +231,7 @@ _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
 _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_interval_s"}
 _OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard", "eval_path"}
 _FIELD_NAMES = {"prompt_field", "completion_field", "tools_field"}
+_FIELD_NAMES |= {"chosen_field", "rejected_field"}
 _BOOLS = {"train_on_prompt", "packing"}  # not in _CHOICES: 1 == True there
 
 
