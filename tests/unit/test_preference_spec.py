@@ -35,6 +35,10 @@ def _errors(train=None, distributed=None) -> list[str]:
         ({"dpo": {"betta": 1}}, "unknown train.dpo config key 'betta'; did you mean 'beta'?"),
         ({"dpo": [1]}, "dpo=[1] must be a mapping"),
         (
+            {"dpo": {"label_smoothing": 0.1}},
+            "dpo.label_smoothing=0.1 with dpo.loss_type='sigmoid': only robust and simpo",
+        ),
+        (
             {"dpo": {"loss_type": "simpo", "reference": "frozen"}},
             "dpo.reference='frozen' with dpo.loss_type='simpo': simpo, orpo use no reference",
         ),

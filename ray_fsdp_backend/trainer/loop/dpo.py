@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ray_fsdp_backend.context_parallel.sequence import IGNORE_INDEX
 from ray_fsdp_backend.trainer.data.sft_batches import pad_rows
 from ray_fsdp_backend.trainer.loop.objectives import (
     MicroBatchResult,
@@ -89,11 +90,24 @@ class DPOObjective(Objective):
     # -- the step ---------------------------------------------------------
 
     def count(self, ctx, micro_batches: list[dict]) -> torch.Tensor:
-        return global_pair_count([(pair_indices(ctx, b) >= 0).sum() for b in micro_batches])
+        """The step's pairs (over the dp size); under ``orpo`` also the scale
+        that makes its NLL term the token mean over the step's chosen
+        responses, as TRL's ``ORPOTrainer`` takes it (one more all-reduce)."""
+        pairs = global_pair_count([(pair_indices(ctx, b) >= 0).sum() for b in micro_batches])
+        if self.options.loss_type == "orpo":
+            tokens = ctx.global_token_count([chosen_targets(b) for b in micro_batches])
+            self._nll_scale = pairs / (tokens * ctx.cp_size)  # the step's pairs / chosen tokens
+        return pairs
+
+    _nll_scale: torch.Tensor | None = None
 
     def micro_batch(self, ctx, model: nn.Module, batch: dict, split: str = "train"):
         ref_chosen, ref_rejected = self.reference_sums(ctx, model, batch, split)
         policy = self.log_probs(ctx, model, batch)
+        nll = None
+        if self.options.loss_type == "orpo" and split == "train":
+            # summed over the step's pairs and divided by them: -(chosen log-probs) / tokens
+            nll = -policy.chosen * self._nll_scale
         result = self._dpo_loss(
             policy.chosen,
             policy.rejected,
@@ -105,12 +119,17 @@ class DPOObjective(Objective):
             simpo_gamma=self.options.simpo_gamma,
             chosen_lengths=policy.chosen_tokens,
             rejected_lengths=policy.rejected_tokens,
+            chosen_nll=nll,
         )
         return MicroBatchResult(result.losses.sum(), None, reward_sums(result))
 
     def log_probs(self, ctx, model: nn.Module, batch: dict):
         return self._pair_log_probs(
-            ctx, model, batch, chunk_tokens=self.spec.train.loss_chunk_tokens or None
+            ctx,
+            model,
+            batch,
+            chunk_tokens=self.spec.train.loss_chunk_tokens,
+            compile=self.spec.distributed.compiles_on(ctx.device.type),
         )
 
     def reference_sums(self, ctx, model: nn.Module, batch: dict, split: str):
@@ -197,6 +216,13 @@ def reward_sums(result) -> dict[str, torch.Tensor]:
     sums = [chosen.sum(), rejected.sum(), (chosen - rejected).sum()]
     sums.append((chosen > rejected).float().sum())
     return dict(zip(REWARD_METRICS, sums, strict=True))
+
+
+def chosen_targets(batch: dict) -> torch.Tensor:
+    """``batch``'s targets in chosen responses only (-100 elsewhere)."""
+    sequence_ids = batch["sequence_ids"]
+    chosen = (sequence_ids >= 0) & (sequence_ids % 2 == 0)
+    return torch.where(chosen, batch["targets"], IGNORE_INDEX)
 
 
 def gather_pairs(keys: torch.Tensor, values: torch.Tensor):

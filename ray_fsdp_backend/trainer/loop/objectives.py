@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ray_fsdp_backend.planning.topology import CP_AXIS
 from ray_fsdp_backend.trainer.loop.loss import micro_batch_loss
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
 
@@ -103,13 +102,13 @@ def pair_indices(ctx, batch: dict) -> torch.Tensor:
     pairs = int(sequence_ids.max().clamp(min=-1)) // 2 + 1
     if ctx.cp_size > 1:  # a row's pairs may lie on another cp rank: agree on the width
         width = torch.tensor([pairs], device=sequence_ids.device)
-        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=ctx.mesh[CP_AXIS].get_group())
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=ctx.cp_group)
         pairs = int(width)
     out = torch.full((sequence_ids.shape[0], pairs), -1, dtype=torch.long, device=index.device)
     slot = torch.where(valid, sequence_ids // 2, 0)
     out.scatter_reduce_(1, slot, torch.where(valid, index, -1).long(), reduce="amax")
     if ctx.cp_size > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.mesh[CP_AXIS].get_group())
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.cp_group)
     return out
 
 

@@ -7,7 +7,7 @@ Next to the rest of the ``train:`` section::
       dpo:
         loss_type: sigmoid            # sigmoid | ipo | hinge | robust | simpo | orpo
         beta: 0.1
-        label_smoothing: 0.0          # robust (and sigmoid's conservative DPO)
+        label_smoothing: 0.0          # robust and simpo only
         simpo_gamma: 0.5              # simpo's target margin
         reference: adapters           # adapters | precompute | frozen
 
@@ -38,6 +38,8 @@ PREFERENCE_FORMAT = "preference"
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
 """Loss types that compare the policy's two answers only: no reference model."""
+SMOOTHED = ("robust", "simpo")
+"""Loss types that take ``label_smoothing``."""
 
 
 class Reference(enum.Enum):
@@ -66,8 +68,8 @@ class DPOOptions:
     (ORPO: the weight of its odds-ratio term; SimPO: of the length-normalised
     log-prob)."""
     label_smoothing: float = 0.0
-    """The assumed fraction of flipped labels, ``0 <= eps < 0.5`` (``robust``,
-    and the conservative ``sigmoid``)."""
+    """The assumed fraction of flipped labels, ``0 <= eps < 0.5``; ``robust``
+    and ``simpo`` only."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin."""
     reference: str | None = None
@@ -107,6 +109,11 @@ class DPOOptions:
         if problems:
             raise ValueError("; ".join(problems))
         options = cls(**values)
+        if options.label_smoothing and options.loss_type not in SMOOTHED:
+            raise ValueError(
+                f"dpo.label_smoothing={options.label_smoothing} with dpo.loss_type="
+                f"{options.loss_type!r}: only {' and '.join(SMOOTHED)} smooth their labels"
+            )
         if options.reference_free and options.reference is not None:
             raise ValueError(
                 f"dpo.reference={options.reference!r} with dpo.loss_type={options.loss_type!r}: "
