@@ -207,3 +207,25 @@ def test_a_long_list_is_cut_and_options_are_checked(tmp_path):
         check_preference_source(path, tok, seq_len=96)
     with pytest.raises(ValueError, match="seq_len=2 must be an int >= 4"):
         check_preference_source(path, tok, seq_len=2)
+
+
+@pytest.mark.parametrize("name, fmt", [("pairs.jsonl", "chat"), ("pairs.parquet", "text")])
+def test_the_example_pairs_pass_the_check(chat_model, tmp_path, name, fmt):
+    from ray_fsdp_backend.hf.metadata import load_tokenizer
+    from ray_fsdp_backend.preference.make_pairs import main, make_pairs
+    from ray_fsdp_backend.preference.pairs import read_pair
+    from ray_fsdp_backend.preference.render import pair_documents
+
+    path = str(tmp_path / name)
+    main([path, "--count", "200", "--format", fmt])
+    tok = load_tokenizer(chat_model)
+    checked = check_preference_source(path, tok, seq_len=256)
+    counts = checked.counts["train"]
+    assert checked.read == counts["records"] == counts["pairs"] == 200
+    assert counts["truncated"] == 0 and counts["rows"] <= 70
+    # the tiny tokenizer reads every answer (no <unk>), and the two apart
+    options = PreferenceOptions.build(seq_len=256)
+    for record in make_pairs(40, format=fmt):
+        chosen, rejected = pair_documents(read_pair(record, options, "x"), tok, options, "x")
+        assert tok.unk_token_id not in chosen[0].tolist() + rejected[0].tolist()
+        assert chosen[0].tolist() != rejected[0].tolist()
