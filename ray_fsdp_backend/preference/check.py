@@ -6,10 +6,10 @@ problems, the same cache).
 A problem is a record that cannot be trained as written: not JSON, a missing
 ``chosen`` / ``rejected``, identical responses, a conversational pair whose
 prompts differ, a message SFT would refuse, a template that refuses the
-conversation, a response with no trainable token. A pair whose prompt leaves
-no room for its responses within ``seq_len`` is not a problem but dropped
-and counted (its first places named in the counts), as SFT drops a document
-with no target left. Each record's global index (``pair_index``) is its
+conversation, a response with no trainable token, a pair that cannot fit
+``seq_len`` even with its responses cut (its two prompts leave no room for a
+response token each: the workers would drop it, as TRL drops it, without a
+word). Each record's global index (``pair_index``) is its
 place among all records of the source, both splits, counted from 0: files in
 sorted order, records in file order; the check counts each file's records so
 the workers can number theirs.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ray_fsdp_backend.preference.packing import PairCounts, fit_pair, pack_pairs
+from ray_fsdp_backend.preference.packing import PairCounts, fit_pair, pack_pairs, prompt_length
 from ray_fsdp_backend.preference.pairs import PreferenceOptions, read_pair
 from ray_fsdp_backend.preference.render import pair_documents
 from ray_fsdp_backend.sft.check import RECORDS_PER_BATCH, SPLITS, RecordCheck, pad_token_id
@@ -32,25 +32,17 @@ from ray_fsdp_backend.sft.records import (
     parse_record,
 )
 
-DROPS_SHOWN = 5
-"""Places of dropped pairs the counts name."""
-
 
 @dataclass
 class PairCheck(RecordCheck):
     """:class:`~ray_fsdp_backend.sft.check.RecordCheck` of pairs: per split the
     :class:`~ray_fsdp_backend.preference.packing.PairCounts`, the records
-    of each file (for ``pair_index``), the first dropped pairs' places."""
+    of each file (for ``pair_index``)."""
 
     file_records: list[int] = field(default_factory=list)
-    dropped_at: list[str] = field(default_factory=list)
 
     def cached(self) -> dict:
-        return {
-            **super().cached(),
-            "file_records": self.file_records,
-            "dropped_at": self.dropped_at,
-        }
+        return {**super().cached(), "file_records": self.file_records}
 
     def offsets(self) -> dict[str, int]:
         """Each file's first ``pair_index`` (needs ``source``)."""
@@ -66,15 +58,10 @@ class PairCheck(RecordCheck):
             if c["records"] or split == "train":
                 lines.append(
                     f"{split}: {c['records']} pairs rendered, {c['truncated']} with responses "
-                    f"truncated to seq_len, {c['dropped']} dropped (prompt too long for "
-                    f"seq_len{_first(self.dropped_at) if c['dropped'] else ''}), {c['pairs']} "
-                    f"packed into {c['rows']} rows, {c['padding']} padding tokens"
+                    f"truncated to seq_len, {c['pairs']} packed into {c['rows']} rows, "
+                    f"{c['padding']} padding tokens"
                 )
         return "; ".join(lines)
-
-
-def _first(places: list[str]) -> str:
-    return ": " + ", ".join(places) if places else ""
 
 
 def check_pairs(
@@ -97,9 +84,6 @@ def check_pairs(
             split = "eval" if is_held_out(raw, eval_fraction, seed) else "train"
             documents = render_pair(raw, tokenizer, options, result)
             if documents is not None:
-                if fit_pair(documents, options.seq_len)[0] is None:
-                    if len(result.dropped_at) < DROPS_SHOWN:
-                        result.dropped_at.append(raw.where)
                 pending[split].add(documents, index)
                 if len(pending[split].pairs) == RECORDS_PER_BATCH:
                     pending[split].pack(options, tokenizer, totals[split])
@@ -128,6 +112,14 @@ def render_pair(raw, tokenizer, options: PreferenceOptions, result: RecordCheck)
                 "turn of weight 1 after the prompt); such a pair teaches nothing"
             )
             return None
+    if fit_pair(documents, options.seq_len)[0] is None:
+        prompts = sum(prompt_length(labels) for _, labels in documents)
+        result.add_problem(
+            f"{raw.where}: the pair cannot fit seq_len={options.seq_len} even with its responses "
+            f"cut: its two documents share one row and their prompts take {prompts} tokens; "
+            f"raise seq_len to at least {prompts + 2} or shorten the prompt"
+        )
+        return None
     return documents
 
 

@@ -68,7 +68,7 @@ def check_preference_source(
 
     Returns:
         The :class:`~ray_fsdp_backend.preference.check.PairCheck`: per split
-        the pairs rendered, truncated, dropped, packed, the rows and padding.
+        the pairs rendered, truncated, packed, the rows and padding.
 
     Raises:
         ValueError: a bad option.
@@ -161,7 +161,7 @@ def preference_dataset(
         tokenizer: a fast Hugging Face tokenizer (its ``chat_template``
             renders conversational pairs).
         seq_len: tokens per row; a pair longer has its responses cut, one
-            whose prompts leave no room is dropped (counted by the check).
+            whose prompts leave no room is refused by the check.
         packing: several pairs a row (first-fit decreasing); else one a row.
         prompt_field, chosen_field, rejected_field: the record's fields
             (TRL's names by default); no prompt field: the prompt is the

@@ -59,7 +59,7 @@ def test_pairs_sit_whole_in_one_row_with_their_ids(packing):
     for (row, index), docs in found.items():
         (c, r) = pairs[indices.index(index)]
         assert [s % 2 for s, *_ in docs] == [0, 1] and docs[1][0] == docs[0][0] + 1
-        for (s, ids, labels, pos), (ref_ids, ref_labels) in zip(docs, (c, r), strict=True):
+        for (_, ids, labels, pos), (ref_ids, ref_labels) in zip(docs, (c, r), strict=True):
             assert ids.tolist() == ref_ids.tolist()
             assert labels[0] == -100 and labels[1:].tolist() == ref_labels[1:].tolist()
             assert pos.tolist() == list(range(len(ids)))
