@@ -78,13 +78,13 @@ def _packed(rows) -> dict[str, torch.Tensor]:
     return out
 
 
-def _spec(path, extra):
+def _spec(path, extra, **model):
     """The trainer's run spec of a reward model at this layout (its data
     only for the checks: the rows here are packed by hand)."""
     pairs = os.path.join(path, "pairs.jsonl")
     return build_spec({
         "distributed": {"use_fsdp": True, "use_mixed_precision": False, **extra},
-        "model": {"pretrained": path, "seq_len": SEQ},
+        "model": {"pretrained": path, "seq_len": SEQ, **model},
         "train": {"objective": "reward", "micro_batch_size": 1, "seed": SEED},
         "data": {"format": "preference", "path": pairs},
         "scaling": {"num_workers": 4, "use_gpu": False},
@@ -124,12 +124,40 @@ def _layout(path, export, name, extra, rows):
     }
 
 
+def _lora(path, export, rows):
+    """LoRA (full_shard over 4 ranks): one AdamW step of the trainer's
+    objective, then the pairs' scores and the merged export."""
+    from ray_fsdp_backend.preference.reward import pair_scores
+    from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
+    from ray_fsdp_backend.trainer.loop.step import accumulate, build_objective
+
+    spec = _spec(path, {}, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    ctx = setup_process_context(spec.distributed, torch.device("cpu"))
+    torch.manual_seed(SEED)
+    model = build_pretrained(ctx, spec.model, reward=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    mine = {k: v[ctx.dp_rank : ctx.dp_rank + 1] for k, v in _packed(rows).items()}
+    batch = ctx.shard_sequence(mine)
+    accumulate(ctx, model, [batch], build_objective(ctx, model, spec))
+    opt.step()
+    with torch.no_grad():
+        chosen, rejected = pair_scores(ctx, model, batch)
+    scores = [None] * dist.get_world_size()
+    dist.all_gather_object(scores, (ctx.dp_rank, 0, chosen.tolist(), rejected.tolist()))
+    ctx.export_model(model, export)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return {"scores": sorted(scores), "trainable": names}
+
+
 def _checks(rank, world, path, export):
     rows = _pairs()
-    return {
+    results = {
         name: _layout(path, export if i == 0 else None, name, extra, rows)
         for i, (name, extra) in enumerate(LAYOUTS.items())
     }
+    results["lora"] = _lora(path, export + "-lora", rows)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +176,7 @@ def _reference(export):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32)
+    assert model.config.architectures == ["LlamaForSequenceClassification"]
     chosen, rejected = [], []
     for pairs in _pairs():
         for c, r in pairs:
@@ -160,12 +189,16 @@ def _reference(export):
     return chosen.detach(), rejected.detach(), float(loss.detach()), float(norm)
 
 
+def _gathered(scores) -> tuple[torch.Tensor, torch.Tensor]:
+    chosen = torch.tensor([c for _, _, cs, _ in scores for c in cs])
+    return chosen, torch.tensor([r for _, _, _, rs in scores for r in rs])
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_scores_equal_the_classifier_one_sequence_at_a_time(spawned, layout):
     chosen, rejected, loss, norm = _reference(spawned["export"])
     got = spawned[layout]
-    got_chosen = torch.tensor([c for _, _, cs, _ in got["scores"] for c in cs])
-    got_rejected = torch.tensor([r for _, _, _, rs in got["scores"] for r in rs])
+    got_chosen, got_rejected = _gathered(got["scores"])
     torch.testing.assert_close(got_chosen, chosen, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_rejected, rejected, atol=1e-5, rtol=1e-5)
     assert abs(got["loss"] - loss) / loss < 1e-5, (got["loss"], loss)
@@ -204,4 +237,17 @@ def test_export_is_a_sequence_classifier_of_the_checkpoints_decoder(spawned):
     alone = build_sequence_classifier(spawned["path"])
     materialize_meta_module(alone, "cpu")
     torch.testing.assert_close(exported["score.weight"], alone.score.weight, atol=0, rtol=0)
-    assert 0.005 < float(alone.score.weight.std()) < 0.05  # normal(0, initializer_range=0.02)
+    assert 0.005 < float(alone.score.weight.detach().std()) < 0.05  # normal(0, initializer_range=0.02)
+
+
+def test_lora_trains_the_score_head_whole_and_exports_it_merged(spawned):
+    lora = spawned["lora"]
+    assert "base_model.model.score.weight" in lora["trainable"]
+    assert not any("modules_to_save" in n for n in lora["trainable"])
+    assert all("lora_" in n for n in lora["trainable"] if not n.endswith("score.weight"))
+    chosen, rejected, _, _ = _reference(spawned["export"] + "-lora")  # adapters merged
+    got_chosen, got_rejected = _gathered(lora["scores"])
+    torch.testing.assert_close(got_chosen, chosen, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_rejected, rejected, atol=1e-5, rtol=1e-5)
+    before, _, _, _ = _reference(spawned["export"])  # the same seed, not stepped
+    assert (chosen - before).abs().max() > 1e-3  # the step moved the scores

@@ -93,3 +93,22 @@ def test_the_reference_defaults_to_adapters_with_lora_else_precompute():
 
 def test_a_good_section_builds():
     assert _errors({"objective": "sft", "dpo": {"loss_type": "ipo", "beta": 0.5}}) == []
+
+
+def test_a_reward_model_is_refused_where_its_scalar_head_cannot_go():
+    from ray_fsdp_backend.models.config import ModelConfig
+    from ray_fsdp_backend.trainer.schema.lora import LoraOptions
+    from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
+
+    data = DataOptions(format="preference", path="/pairs.jsonl")
+    reward = TrainOptions(objective="reward")
+    (error,) = preference_errors(reward, data, ModelConfig(), None)
+    assert "train.objective='reward' needs model.pretrained" in error
+    tp = FSDPSettings(use_fsdp=True, tensor_parallel_size=2)
+    lora = LoraOptions.from_dict({"r": 4})
+    peft = PretrainedModelConfig("/ckpt", lora=lora, export_format="peft")
+    tp_error, peft_error = preference_errors(reward, data, peft, tp)
+    assert "train.objective='reward' with distributed.tensor_parallel_size=2" in tp_error
+    assert "train.objective='reward' with model.export_format='peft'" in peft_error
+    hf = PretrainedModelConfig("/ckpt", lora=lora)
+    assert preference_errors(reward, data, hf, FSDPSettings(use_fsdp=True)) == []
