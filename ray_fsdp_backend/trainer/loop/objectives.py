@@ -104,9 +104,11 @@ def pair_indices(ctx, batch: dict) -> torch.Tensor:
         width = torch.tensor([pairs], device=sequence_ids.device)
         dist.all_reduce(width, op=dist.ReduceOp.MAX, group=ctx.cp_group)
         pairs = int(width)
-    out = torch.full((sequence_ids.shape[0], pairs), -1, dtype=torch.long, device=index.device)
-    slot = torch.where(valid, sequence_ids // 2, 0)
+    # one spare column: padding tokens scatter -1 into column 0 of a row without pairs
+    out = torch.full((len(sequence_ids), pairs + 1), -1, dtype=torch.long, device=index.device)
+    slot = torch.where(valid, sequence_ids // 2, pairs)
     out.scatter_reduce_(1, slot, torch.where(valid, index, -1).long(), reduce="amax")
+    out = out[:, :pairs]
     if ctx.cp_size > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.cp_group)
     return out
