@@ -1,0 +1,180 @@
+"""``pair_log_probs`` / ``ctx.sequence_log_probs`` on gloo ranks against one
+process running each sequence alone through the whole fp32 logits.
+
+Packed preference rows (several pairs a row, prompts and padding -100, a
+padding tail with ``sequence_ids`` -1) of the example decoder, on dp 2
+(FSDP), tp 2 (the head's vocabulary split over tp, ``loss_parallel``) and
+dp_shard 2 x cp 2 (cp cuts every row, documents across the cut): the
+per-token log-probs of this rank's tokens, each pair's summed log-probs and
+token counts, and the model's gradients of a DPO loss over the step's pairs
+equal one process's within 1e-5 (the gradient: a DPO sigmoid loss on fixed
+reference log-probs, summed over each rank's pairs over the global pair
+count; FSDP averages over dp x cp).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist.harness import run_ranks
+
+SEQ = 24
+ROWS = (  # (prompt, chosen, rejected) lengths of each row's pairs
+    ((3, 2, 3), (2, 4, 2)),
+    ((4, 3, 2), (1, 2, 2)),
+    ((2, 3, 3), (2, 2, 2), (1, 1, 2)),
+    ((5, 6, 5),),
+)
+LAYOUTS = {
+    "dp2": (2, dict()),
+    "tp2 loss_parallel": (2, dict(tensor_parallel_size=2, loss_parallel=True)),
+    "dp_shard2 x cp2": (4, dict(context_parallel_size=2)),
+}
+VOCAB = 64
+
+
+def _documents():
+    """Per pair (row-major): the chosen and rejected documents as (tokens, labels)."""
+    gen = torch.Generator().manual_seed(3)
+    pairs = []
+    for row in ROWS:
+        for prompt, chosen, rejected in row:
+            head = torch.randint(0, VOCAB, (prompt,), generator=gen)
+            docs = []
+            for n in (chosen, rejected):
+                tokens = torch.cat([head, torch.randint(0, VOCAB, (n,), generator=gen)])
+                docs.append((tokens, torch.cat([torch.full((prompt,), -100), tokens[prompt:]])))
+            pairs.append(docs)
+    return pairs
+
+
+def _packed_batch():
+    """The rows as the trainer's micro-batch (targets shifted, unsplit)."""
+    from ray_fsdp_backend.context_parallel.sequence import shift_labels
+
+    pairs, out, k = _documents(), {k: [] for k in ("ids", "labels", "pos", "seq")}, 0
+    for row in ROWS:
+        parts = {k: [] for k in out}
+        for p in range(len(row)):
+            for s, (tokens, labels) in enumerate(pairs[k + p]):
+                parts["ids"].append(tokens)
+                parts["labels"].append(labels)
+                parts["pos"].append(torch.arange(len(tokens)))
+                parts["seq"].append(torch.full((len(tokens),), 2 * p + s))
+        k += len(row)
+        pad = SEQ - sum(len(t) for t in parts["ids"])
+        for key, fill in (("ids", torch.zeros(pad, dtype=torch.long)), ("labels", None)):
+            parts[key].append(fill if fill is not None else torch.full((pad,), -100))
+        parts["pos"].append(torch.arange(pad))
+        parts["seq"].append(torch.full((pad,), -1))
+        for key in out:
+            out[key].append(torch.cat(parts[key]))
+    position_ids = torch.stack(out["pos"])
+    return {
+        "input_ids": torch.stack(out["ids"]),
+        "targets": shift_labels(torch.stack(out["labels"]), position_ids),
+        "position_ids": position_ids,
+        "sequence_ids": torch.stack(out["seq"]),
+    }
+
+
+def _ref_log_probs(pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed reference log-prob sums for the DPO loss."""
+    k = torch.arange(pairs, dtype=torch.float32)
+    return -6.0 - 0.3 * k, -5.0 - 0.2 * k
+
+
+def _reference(cfg, start):
+    """One process: every sequence alone, whole fp32 logits; per-pair sums,
+    counts, the DPO loss's gradients; and the packed rows' per-token log-probs."""
+    import ray_fsdp_backend as rfb
+    from ray_fsdp_backend.context_parallel.sequence import shift_labels
+    from ray_fsdp_backend.models.decoder import Transformer
+    from ray_fsdp_backend.ops.loss import logits_token_log_probs
+
+    model = Transformer(cfg)
+    model.load_state_dict(start)
+    sums, counts = [], []
+    for docs in _documents():
+        for tokens, labels in docs:
+            targets = shift_labels(labels[None])
+            logits = model(tokens[None]).float()
+            log_probs = F.log_softmax(logits, -1).gather(-1, targets.clamp_min(0)[..., None])
+            sums.append(log_probs[..., 0][targets != -100].sum())
+            counts.append((targets != -100).sum().float())
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    chosen, rejected = sums[0::2], sums[1::2]
+    loss = rfb.dpo_loss(chosen, rejected, *_ref_log_probs(len(chosen))).losses.mean()
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    batch = _packed_batch()
+    with torch.no_grad():
+        logits = model(batch["input_ids"], position_ids=batch["position_ids"])
+        tokens = logits_token_log_probs(logits, batch["targets"])
+    pairs = (chosen.detach(), rejected.detach(), counts[0::2], counts[1::2])
+    return pairs, grads, tokens
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _layout(settings: dict) -> dict:
+    import ray_fsdp_backend as rfb
+    from ray_fsdp_backend.context_parallel.sequence import chunk_indices
+    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+    from ray_fsdp_backend.runtime.worker import setup_process_context
+    from ray_fsdp_backend.settings.config import FSDPSettings
+
+    ctx = setup_process_context(
+        FSDPSettings(use_fsdp=True, use_mixed_precision=False, **settings), torch.device("cpu")
+    )
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, seq_len=SEQ)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = ctx.wrap(Transformer(cfg))
+    start = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
+    want_pairs, want_grads, want_tokens = _reference(cfg, start)
+
+    per = len(ROWS) // ctx.dp_size
+    rows = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+    first = sum(len(r) for r in ROWS[: rows.start])  # this rank's first pair
+    mine = slice(first, first + sum(len(r) for r in ROWS[rows]))
+    batch = ctx.shard_sequence({k: v[rows] for k, v in _packed_batch().items()})
+    with ctx.loss_parallel():
+        tokens = ctx.sequence_log_probs(model, batch, chunk_tokens=5)
+        got = rfb.pair_log_probs(ctx, model, batch, chunk_tokens=5)
+        ref_c, ref_r = (t[mine] for t in _ref_log_probs(len(want_pairs[0])))
+        losses = rfb.dpo_loss(got.chosen, got.rejected, ref_c, ref_r).losses
+        (losses.sum() * ctx.dp_size / len(want_pairs[0])).backward()
+    index = chunk_indices(SEQ, ctx.cp_rank, ctx.cp_size, load_balance=False)
+    errors = {
+        "tokens": (tokens.detach() - want_tokens[rows][:, index]).abs().max(),
+        **{
+            name: (g.detach() - w[mine]).abs().max()
+            for name, g, w in zip(got._fields, got, want_pairs, strict=True)
+        },
+        "grads": max(
+            (_full(p.grad) - want_grads[n]).abs().max() for n, p in model.named_parameters()
+        ),
+    }
+    errors = torch.stack(list(errors.values())), list(errors)
+    dist.all_reduce(errors[0], op=dist.ReduceOp.MAX)
+    return dict(zip(errors[1], errors[0].tolist(), strict=True))
+
+
+def _run(rank, world, settings):
+    torch.set_num_threads(1)
+    return _layout(settings)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pair_log_probs_equal_one_process_full_logits(layout):
+    world, settings = LAYOUTS[layout]
+    errors = run_ranks(_run, world, settings)
+    assert max(errors.values()) < 1e-5, errors
