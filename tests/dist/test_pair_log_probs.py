@@ -4,7 +4,8 @@ process running each sequence alone through the whole fp32 logits.
 Packed preference rows (several pairs a row, prompts and padding -100, a
 padding tail with ``sequence_ids`` -1) of the example decoder, on dp 2
 (FSDP), tp 2 (the head's vocabulary split over tp, ``loss_parallel``) and
-dp_shard 2 x cp 2 (cp cuts every row, documents across the cut): the
+dp_shard 2 x cp 2 (cp cuts every row, documents across the cut), and a
+transformers Qwen3-MoE at ep 2 (its experts split over two ranks): the
 per-token log-probs of this rank's tokens, each pair's summed log-probs and
 token counts, and the model's gradients of a DPO loss over the step's pairs
 equal one process's within 1e-5 (the gradient: a DPO sigmoid loss on fixed
@@ -13,6 +14,8 @@ count; FSDP averages over dp x cp).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -32,6 +35,8 @@ LAYOUTS = {
     "dp2": (2, dict()),
     "tp2 loss_parallel": (2, dict(tensor_parallel_size=2, loss_parallel=True)),
     "dp_shard2 x cp2": (4, dict(context_parallel_size=2)),
+    # A transformers Qwen3-MoE (4 experts, top-2), its experts split over ep 2.
+    "ep2 qwen3_moe": (2, dict(expert_parallel_size=2)),
 }
 VOCAB = 64
 
@@ -87,21 +92,24 @@ def _ref_log_probs(pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     return -6.0 - 0.3 * k, -5.0 - 0.2 * k
 
 
-def _reference(cfg, start):
-    """One process: every sequence alone, whole fp32 logits; per-pair sums,
-    counts, the DPO loss's gradients; and the packed rows' per-token log-probs."""
+def _logits(model, tokens, **kw) -> torch.Tensor:
+    output = model(tokens, **kw)
+    return getattr(output, "logits", output)  # a transformers model's output
+
+
+def _reference(model):
+    """One process, ``model`` unwrapped: every sequence alone, whole fp32
+    logits; per-pair sums, counts, the DPO loss's gradients; and the packed
+    rows' per-token log-probs."""
     import ray_fsdp_backend as rfb
     from ray_fsdp_backend.context_parallel.sequence import shift_labels
-    from ray_fsdp_backend.models.decoder import Transformer
     from ray_fsdp_backend.ops.loss import logits_token_log_probs
 
-    model = Transformer(cfg)
-    model.load_state_dict(start)
     sums, counts = [], []
     for docs in _documents():
         for tokens, labels in docs:
             targets = shift_labels(labels[None])
-            logits = model(tokens[None]).float()
+            logits = _logits(model, tokens[None]).float()
             log_probs = F.log_softmax(logits, -1).gather(-1, targets.clamp_min(0)[..., None])
             sums.append(log_probs[..., 0][targets != -100].sum())
             counts.append((targets != -100).sum().float())
@@ -112,7 +120,7 @@ def _reference(cfg, start):
     grads = {name: p.grad for name, p in model.named_parameters()}
     batch = _packed_batch()
     with torch.no_grad():
-        logits = model(batch["input_ids"], position_ids=batch["position_ids"])
+        logits = _logits(model, batch["input_ids"], position_ids=batch["position_ids"])
         tokens = logits_token_log_probs(logits, batch["targets"])
     pairs = (chosen.detach(), rejected.detach(), counts[0::2], counts[1::2])
     return pairs, grads, tokens
@@ -124,22 +132,43 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _models(ctx, moe: bool):
+    """The wrapped model and an unwrapped one with the same weights."""
+    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    if moe:
+        import transformers
+
+        from ray_fsdp_backend.models.tiny_pretrained import tiny_config
+
+        config = tiny_config("qwen3_moe")
+        config.num_experts, config.use_cache = 4, False
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        reference = copy.deepcopy(model)
+        return ctx.wrap(model), reference
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, seq_len=SEQ)
+    with torch.device("meta"):
+        model = ctx.wrap(Transformer(cfg))
+    reference = Transformer(cfg)
+    reference.load_state_dict({k: _full(v).detach().clone() for k, v in model.state_dict().items()})
+    return model, reference
+
+
 def _layout(settings: dict) -> dict:
     import ray_fsdp_backend as rfb
     from ray_fsdp_backend.context_parallel.sequence import chunk_indices
-    from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
     from ray_fsdp_backend.runtime.worker import setup_process_context
     from ray_fsdp_backend.settings.config import FSDPSettings
 
     ctx = setup_process_context(
         FSDPSettings(use_fsdp=True, use_mixed_precision=False, **settings), torch.device("cpu")
     )
-    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, seq_len=SEQ)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = ctx.wrap(Transformer(cfg))
-    start = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
-    want_pairs, want_grads, want_tokens = _reference(cfg, start)
+    model, reference = _models(ctx, moe=ctx.ep_size > 1)
+    if ctx.ep_size > 1:  # the experts are split over the ep axis
+        experts = [p for n, p in model.named_parameters() if "experts" in n]
+        assert experts and all("ep" in p.device_mesh.mesh_dim_names for p in experts)
+    want_pairs, want_grads, want_tokens = _reference(reference)
 
     per = len(ROWS) // ctx.dp_size
     rows = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
