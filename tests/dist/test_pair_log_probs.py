@@ -6,7 +6,8 @@ padding tail with ``sequence_ids`` -1) of the example decoder, on dp 2
 (FSDP), tp 2 (the head's vocabulary split over tp, ``loss_parallel``) and
 dp_shard 2 x cp 2 (cp cuts every row, documents across the cut), and a
 transformers Qwen3-MoE at ep 2 (its experts split over two ranks): the
-per-token log-probs of this rank's tokens, each pair's summed log-probs and
+per-token log-probs of this rank's tokens (fused, and from the whole logits
+with ``chunk_tokens=0``), each pair's summed log-probs and
 token counts, and the model's gradients of a DPO loss over the step's pairs
 equal one process's within 1e-5 (the gradient: a DPO sigmoid loss on fixed
 reference log-probs, summed over each rank's pairs over the global pair
@@ -177,6 +178,8 @@ def _layout(settings: dict) -> dict:
     batch = ctx.shard_sequence({k: v[rows] for k, v in _packed_batch().items()})
     with ctx.loss_parallel():
         tokens = ctx.sequence_log_probs(model, batch, chunk_tokens=5)
+        with torch.no_grad():  # the whole-logits path (a head the kernel cannot take)
+            whole = ctx.sequence_log_probs(model, batch, chunk_tokens=0)
         got = rfb.pair_log_probs(ctx, model, batch, chunk_tokens=5)
         ref_c, ref_r = (t[mine] for t in _ref_log_probs(len(want_pairs[0])))
         losses = rfb.dpo_loss(got.chosen, got.rejected, ref_c, ref_r).losses
@@ -184,6 +187,7 @@ def _layout(settings: dict) -> dict:
     index = chunk_indices(SEQ, ctx.cp_rank, ctx.cp_size, load_balance=False)
     errors = {
         "tokens": (tokens.detach() - want_tokens[rows][:, index]).abs().max(),
+        "tokens, whole logits": (whole - want_tokens[rows][:, index]).abs().max(),
         **{
             name: (g.detach() - w[mine]).abs().max()
             for name, g, w in zip(got._fields, got, want_pairs, strict=True)
