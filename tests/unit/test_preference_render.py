@@ -150,3 +150,62 @@ def test_field_names_are_configurable():
     assert (pair.prompt, pair.chosen, pair.rejected) == ("x", "1", "2")
     with pytest.raises(ValueError, match="must differ"):
         PreferenceOptions.build(seq_len=64, chosen_field="prompt")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {
+            "type": "function",
+            "id": "c1",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+        }
+    ],
+}
+RESULT = {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18 C"}
+
+
+@pytest.mark.parametrize(
+    "family, call",
+    [
+        (
+            "qwen2_5",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        ),
+        ("llama3_1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ],
+)
+def test_a_multi_turn_response_with_a_tool_call_trains_its_assistant_turns(family, call):
+    """The tools reach the template; the tool's result is context, both
+    assistant turns of the response (the call, the answer) are targets."""
+    tok = family_tokenizer(family)
+    end = tok.eos_token if family == "llama3_1" else "<|im_end|>\n"
+    answer = {"role": "assistant", "content": "18 C in Paris."}
+    prompt = [{"role": "user", "content": "Weather in Paris?"}]
+    record = {"prompt": prompt, "chosen": [CALL, RESULT, answer], "rejected": REJECTED}
+    record["tools"] = TOOLS
+    (ids, labels), _ = pair_documents(read_pair(record, OPTIONS, "f:1"), tok, OPTIONS, "f:1")
+    assert ids.tolist() == list(
+        tok.apply_chat_template(
+            [*prompt, CALL, RESULT, answer], tools=TOOLS, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
+    runs, run = [], []
+    for token, label in zip(ids.tolist(), labels.tolist(), strict=True):
+        if label != -100:
+            run.append(token)
+        elif run:
+            runs, run = [*runs, tok.decode(run)], []
+    runs += [tok.decode(run)] if run else []
+    assert runs == [call + end, "18 C in Paris." + end]
