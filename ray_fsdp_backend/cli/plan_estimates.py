@@ -137,6 +137,8 @@ def format_loss_memory(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> lis
     parallelism the last stage takes each pipeline micro-batch's whole
     logits (``train.loss_chunk_tokens`` does not apply there)."""
     model, cfg, chunk = spec.model, spec.distributed, spec.train.loss_chunk_tokens
+    if spec.train.objective == "reward":  # a scalar head: one value a token, no logits
+        return ["loss per rank: a scalar score a token (train.objective: reward), no logits"]
     pp = cfg.pipeline_parallel_size
     if pp > 1:
         from ray_fsdp_backend.planning.pipeline_layout import resolve_microbatches
