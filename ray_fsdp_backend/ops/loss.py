@@ -10,6 +10,11 @@ Cross-Entropy work the same way, in plain torch: no Triton). The transient
 memory is ``chunk x vocab`` fp32 logits plus their softmax, not
 ``tokens x vocab``.
 
+The kernel computes each token's ``log-sum-exp - target logit`` and its
+backward takes a per-token gradient: :func:`linear_token_log_probs` is minus
+those values (the per-token log-probs a preference loss sums per sequence,
+with a sampling ``temperature``), :func:`linear_cross_entropy` their sum.
+
 Labels are the targets of the rows of ``hidden`` as they are: label ``i``
 is the token that row ``i`` predicts, already shifted (the trainer's
 ``targets``, what ``ctx.shard_sequence`` produces from transformers-style

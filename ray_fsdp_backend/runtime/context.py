@@ -226,8 +226,9 @@ class TrainContext:
             compile: compile the per-chunk math (``torch.compile``).
 
         Raises:
-            ValueError: a ``temperature`` not above 0, or a batch without
-                ``input_ids`` or ``targets``.
+            ValueError: a ``temperature`` not above 0, a batch without
+                ``input_ids`` or ``targets``, or pipeline parallelism (a stage
+                holds part of the model; see :meth:`pipeline_step`).
         """
         from ray_fsdp_backend.ops.head import (
             head_hidden_states,
@@ -236,6 +237,11 @@ class TrainContext:
         )
         from ray_fsdp_backend.ops.loss import linear_token_log_probs, logits_token_log_probs
 
+        if self.pp_size > 1:
+            raise ValueError(
+                f"ctx.sequence_log_probs runs the whole model: pipeline_parallel_size="
+                f"{self.pp_size} splits it into stages"
+            )
         missing = [key for key in ("input_ids", "targets") if key not in batch]
         if missing:
             raise ValueError(f"batch has no {missing} (keys: {sorted(batch)})")
