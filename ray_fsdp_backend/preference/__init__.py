@@ -1,7 +1,10 @@
 """Preference tuning (DPO and its family, reward models) from packed pair rows.
 
-Pairs of responses to one prompt become packed token rows (:mod:`.pairs`,
-:mod:`.render`, :mod:`.packing`, :mod:`.check`, :mod:`.dataset`).
+The rows: :mod:`.pairs` (a ``{prompt, chosen, rejected}`` record, checked),
+:mod:`.render` (its two token documents), :mod:`.packing` (PURE: pairs into
+rows), :mod:`.check` (every record on the driver), :mod:`.dataset`
+(:func:`~.dataset.preference_dataset` on Ray Data); docs/preference-rows.md.
+
 :mod:`.losses` holds every loss as a function of per-sequence log-prob sums
 (:func:`~.losses.dpo_loss`: sigmoid, ipo, hinge, robust, simpo, orpo;
 :func:`~.losses.reward_loss`: Bradley-Terry); :mod:`.log_probs` turns a

@@ -143,7 +143,7 @@ def preference_dataset(
     filesystem: pafs.FileSystem | None = None,
 ):
     """A ``ray.data.Dataset`` of preference rows from ``{prompt, chosen,
-    rejected}`` records (text or chat messages; docs/preference.md).
+    rejected}`` records (text or chat messages; docs/preference-rows.md).
 
     Each row holds :data:`ROW_COLUMNS`, ``seq_len`` int64 values each:
     ``input_ids``, ``labels`` (unshifted, -100 on prompts and padding),

@@ -17,7 +17,7 @@ message]}``, rendered by the model's chat template; ``--format text`` writes
 ``{prompt, chosen, rejected}`` strings (``"three plus four is"``, ``"
 seven."``). A ``.parquet`` name writes
 parquet, anything else JSON lines. The same ``--seed`` writes the same file.
-For ``examples/dpo.yaml`` (``data.format: preference``; docs/preference.md).
+For ``examples/dpo.yaml`` (``data.format: preference``; docs/preference-rows.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from ray_fsdp_backend.preference.pairs import Pair, PreferenceOptions
 from ray_fsdp_backend.sft.options import SFTDataError
-from ray_fsdp_backend.sft.render import Document, chat_documents, plain_document
+from ray_fsdp_backend.sft.render import (
+    Document,
+    chat_documents,
+    has_chat_template,
+    plain_document,
+)
 
 
 def pair_documents(
@@ -40,6 +45,11 @@ def pair_documents(
                 pair.prompt + text, [(len(pair.prompt), len(pair.prompt + text))], tokenizer
             )
             for text in (pair.chosen, pair.rejected)
+        )
+    if not has_chat_template(tokenizer, options.chat):
+        raise SFTDataError(
+            f"{where}: a conversational pair needs a tokenizer with a chat_template; "
+            f"{type(tokenizer).__name__} has none: set chat_template or give text pairs"
         )
     prompt = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in pair.prompt]
     documents = []

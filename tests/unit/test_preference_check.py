@@ -229,3 +229,38 @@ def test_the_example_pairs_pass_the_check(chat_model, tmp_path, name, fmt):
         chosen, rejected = pair_documents(read_pair(record, options, "x"), tok, options, "x")
         assert tok.unk_token_id not in chosen[0].tolist() + rejected[0].tolist()
         assert chosen[0].tolist() != rejected[0].tolist()
+
+
+def test_the_check_is_cached_apart_from_sfts_and_refusals_are_cached_too(tmp_path, monkeypatch):
+    from ray_fsdp_backend.preference import dataset
+
+    calls = []
+    real = dataset.check_pairs
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dataset, "check_pairs", counting)
+    tok = st.tokenizer("chatml")
+    path = _write_jsonl(tmp_path / "a.jsonl", _forty(_good(3)))
+    first = check_preference_source(path, tok, seq_len=96)
+    assert check_preference_source(path, tok, seq_len=96).counts == first.counts
+    assert len(calls) == 1
+    check_preference_source(path, tok, seq_len=128)  # other options: read again
+    assert len(calls) == 2
+    _write_jsonl(tmp_path / "a.jsonl", _forty(BAD["identical"][0]))
+    for _ in range(2):
+        with pytest.raises(SFTDataError, match=r"a\.jsonl:25: "):
+            check_preference_source(path, tok, seq_len=96)
+    assert len(calls) == 3
+
+
+def test_conversational_pairs_need_a_chat_template_and_train_on_prompt_is_refused(
+    chat_model, tmp_path
+):
+    path = _write_jsonl(tmp_path / "a.jsonl", _forty(_good(1)))
+    with pytest.raises(SFTDataError, match="a.jsonl:1: a conversational pair needs a tokenizer"):
+        check_preference_source(path, st.tokenizer(None), seq_len=96)
+    errors = _validate(chat_model, path, train_on_prompt=True)
+    assert errors and "data.train_on_prompt=true with data.format='preference'" in errors[0]

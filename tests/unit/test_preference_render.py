@@ -150,3 +150,113 @@ def test_field_names_are_configurable():
     assert (pair.prompt, pair.chosen, pair.rejected) == ("x", "1", "2")
     with pytest.raises(ValueError, match="must differ"):
         PreferenceOptions.build(seq_len=64, chosen_field="prompt")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {
+            "type": "function",
+            "id": "c1",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+        }
+    ],
+}
+RESULT = {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18 C"}
+
+
+@pytest.mark.parametrize(
+    "family, call",
+    [
+        (
+            "qwen2_5",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        ),
+        ("llama3_1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ],
+)
+def test_a_multi_turn_response_with_a_tool_call_trains_its_assistant_turns(family, call):
+    """The tools reach the template; the tool's result is context, both
+    assistant turns of the response (the call, the answer) are targets."""
+    tok = family_tokenizer(family)
+    end = tok.eos_token if family == "llama3_1" else "<|im_end|>\n"
+    answer = {"role": "assistant", "content": "18 C in Paris."}
+    prompt = [{"role": "user", "content": "Weather in Paris?"}]
+    record = {"prompt": prompt, "chosen": [CALL, RESULT, answer], "rejected": REJECTED}
+    record["tools"] = TOOLS
+    (ids, labels), _ = pair_documents(read_pair(record, OPTIONS, "f:1"), tok, OPTIONS, "f:1")
+    assert ids.tolist() == list(
+        tok.apply_chat_template(
+            [*prompt, CALL, RESULT, answer], tools=TOOLS, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
+    runs, run = [], []
+    for token, label in zip(ids.tolist(), labels.tolist(), strict=True):
+        if label != -100:
+            run.append(token)
+        elif run:
+            runs, run = [*runs, tok.decode(run)], []
+    runs += [tok.decode(run)] if run else []
+    assert runs == [call + end, "18 C in Paris." + end]
+
+
+def _trl_rows(records: list[dict], tok) -> list[dict]:
+    """TRL 1.16's own preprocessing (``DPOTrainer._prepare_dataset``: prompt
+    extraction, EOS on text, tokenization, the prompt/completion split) of
+    ``records``: the test-only reference."""
+    import tempfile
+    import types
+
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    args = trl.DPOConfig(
+        output_dir=tempfile.mkdtemp(), max_length=None, report_to=[], use_cpu=True, bf16=False
+    )
+    trainer = types.SimpleNamespace(_tokenizer=tok, _is_vision_dataset=False)
+    dataset = datasets.Dataset.from_list(records)
+    return list(trl.DPOTrainer._prepare_dataset(trainer, dataset, tok, args, "train"))
+
+
+TEXT_PAIRS = [
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green today."},
+    {"prompt": "Say river:", "chosen": " river.", "rejected": " stone."},
+]
+IMPLICIT_TEXT = [{"chosen": "The sky is blue.", "rejected": "The sky is green."}]
+CHAT_PAIRS = [
+    {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED},
+    {"prompt": HISTORY, "chosen": CHOSEN, "rejected": REJECTED},
+]
+IMPLICIT_CHAT = [{"chosen": HISTORY + CHOSEN, "rejected": HISTORY + REJECTED}]
+
+
+@pytest.mark.parametrize(
+    "family, records",
+    [
+        (None, TEXT_PAIRS),
+        (None, IMPLICIT_TEXT),
+        ("qwen2_5", CHAT_PAIRS),
+        ("qwen2_5", IMPLICIT_CHAT),
+        ("llama3_1", CHAT_PAIRS),
+    ],
+)
+def test_documents_equal_trls_dpo_preprocessing(family, records):
+    """Tokens and targets equal what TRL's ``DPOTrainer`` trains on: its
+    ``prompt_ids + chosen_ids`` (``rejected_ids``), the loss on the completion."""
+    tok = st.tokenizer(None) if family is None else family_tokenizer(family)
+    for record, trl_row in zip(records, _trl_rows(records, tok), strict=True):
+        documents = pair_documents(read_pair(record, OPTIONS, "f:1"), tok, OPTIONS, "f:1")
+        for (ids, labels), side in zip(documents, ("chosen_ids", "rejected_ids"), strict=True):
+            assert ids.tolist() == trl_row["prompt_ids"] + trl_row[side]
+            targets = np.flatnonzero(labels != -100).tolist()
+            assert targets == list(range(len(trl_row["prompt_ids"]), len(ids)))

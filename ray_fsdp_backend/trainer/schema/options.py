@@ -126,7 +126,7 @@ class DataOptions:
     """``format: preference``: the dispreferred response's field. A preference
     record is ``{prompt, chosen, rejected}`` (``prompt_field``; without it
     the prompt is the responses' shared prefix), each text or chat messages
-    (docs/preference.md)."""
+    (docs/preference-rows.md)."""
     train_on_prompt: bool = False
     """``chat`` / ``prompt_completion``: False puts the loss on the assistant
     turns (or the completion) only; True on every token."""

@@ -75,6 +75,11 @@ def data_errors(data: DataOptions, model, train: TrainOptions | None) -> list[st
             path = getattr(data, key)
             if path is not None and "://" not in path and not os.path.exists(path):
                 errors.append(f"data.{key}={path!r} is not a file or directory")
+        if data.format == "preference" and data.train_on_prompt:
+            errors.append(
+                "data.train_on_prompt=true with data.format='preference': a pair's loss is "
+                "on its responses (the prompt is shared by both)"
+            )
         if data.eval_path is not None and data.eval_fraction is not None:
             errors.append(
                 f"data.eval_path={data.eval_path!r} and data.eval_fraction={data.eval_fraction}: "
