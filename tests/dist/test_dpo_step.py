@@ -14,7 +14,9 @@ with ``reference: frozen`` (a second sharded copy). One process runs the
 same steps feeding every pair on its own (positions 0..n-1) through
 ``F.log_softmax`` of the full logits, against a frozen deep copy, with the
 sigmoid DPO loss written out: loss and pre-clip gradient norm agree to 1e-5
-at every step, and so do the ``rewards/*`` metrics of the step.
+at every step, and so do the ``rewards/*`` metrics of the step. The
+precomputed store holds every pair once and comes back whole through a
+checkpoint's extra-state file (a restored objective runs no pass).
 
 LoRA: the same at dp 2 with ``reference: adapters`` (the policy with its
 adapters disabled) equals ``reference: frozen`` (a separate copy of the
@@ -147,6 +149,8 @@ def _distributed(ctx, path, steps, reference, lora=False, grad_accum=1):
     # precompute reads the rows dealt the other way round: pairs another rank looks up
     flipped = [({k: v.flip(0) for k, v in rows.items()}, pairs) for rows, pairs in steps]
     objective.before_training(ctx, model, lambda: _Rows(flipped, ctx, 1).batches, None)
+    if reference == "precompute":
+        _checkpoint_round_trip(ctx, model, spec, objective, steps)
     rows, out = _Rows(steps, ctx, grad_accum), []
     for _ in range(STEPS):
         result = train_step(ctx, model, optimizer, rows, spec, objective=objective)
@@ -155,6 +159,32 @@ def _distributed(ctx, path, steps, reference, lora=False, grad_accum=1):
         torch.distributed.all_reduce(mean)
         out.append([float(v) / ctx.world_size for v in mean] + [float(result.grad_norm)])
     return out
+
+
+def _checkpoint_round_trip(ctx, model, spec, objective, steps):
+    """The precomputed store through a checkpoint's extra-state file (what
+    ``ctx.save_checkpoint`` writes and a restart reads) into a new objective,
+    which then runs no pass of its own and finds every pair alike."""
+    import io
+
+    from ray_fsdp_backend.checkpoint.extra_state import encode_extra_state
+
+    data = encode_extra_state({"objective": objective.state_dict()})
+    state = torch.load(io.BytesIO(data), weights_only=True)["user"]["objective"]
+    restored = build_objective(ctx, model, spec)
+    restored.load_state_dict(state)
+
+    def no_pass():
+        raise AssertionError("a restored store runs no precompute pass")
+
+    restored.before_training(ctx, model, no_pass, None)
+    keys = torch.cat([rows["pair_index"].unique() for rows, _ in steps])
+    keys = keys[keys >= 0]
+    for got, want in zip(
+        restored.stores["train"].lookup(keys), objective.stores["train"].lookup(keys), strict=True
+    ):
+        assert torch.equal(got, want)
+    assert len(objective.stores["train"].keys) == sum(len(pairs) for _, pairs in steps)
 
 
 def _sums(model, pair):

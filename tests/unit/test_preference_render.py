@@ -209,3 +209,54 @@ def test_a_multi_turn_response_with_a_tool_call_trains_its_assistant_turns(famil
             runs, run = [*runs, tok.decode(run)], []
     runs += [tok.decode(run)] if run else []
     assert runs == [call + end, "18 C in Paris." + end]
+
+
+def _trl_rows(records: list[dict], tok) -> list[dict]:
+    """TRL 1.16's own preprocessing (``DPOTrainer._prepare_dataset``: prompt
+    extraction, EOS on text, tokenization, the prompt/completion split) of
+    ``records``: the test-only reference."""
+    import tempfile
+    import types
+
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    args = trl.DPOConfig(
+        output_dir=tempfile.mkdtemp(), max_length=None, report_to=[], use_cpu=True, bf16=False
+    )
+    trainer = types.SimpleNamespace(_tokenizer=tok, _is_vision_dataset=False)
+    dataset = datasets.Dataset.from_list(records)
+    return list(trl.DPOTrainer._prepare_dataset(trainer, dataset, tok, args, "train"))
+
+
+TEXT_PAIRS = [
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green today."},
+    {"prompt": "Say river:", "chosen": " river.", "rejected": " stone."},
+]
+IMPLICIT_TEXT = [{"chosen": "The sky is blue.", "rejected": "The sky is green."}]
+CHAT_PAIRS = [
+    {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED},
+    {"prompt": HISTORY, "chosen": CHOSEN, "rejected": REJECTED},
+]
+IMPLICIT_CHAT = [{"chosen": HISTORY + CHOSEN, "rejected": HISTORY + REJECTED}]
+
+
+@pytest.mark.parametrize(
+    "family, records",
+    [
+        (None, TEXT_PAIRS),
+        (None, IMPLICIT_TEXT),
+        ("qwen2_5", CHAT_PAIRS),
+        ("qwen2_5", IMPLICIT_CHAT),
+        ("llama3_1", CHAT_PAIRS),
+    ],
+)
+def test_documents_equal_trls_dpo_preprocessing(family, records):
+    """Tokens and targets equal what TRL's ``DPOTrainer`` trains on: its
+    ``prompt_ids + chosen_ids`` (``rejected_ids``), the loss on the completion."""
+    tok = st.tokenizer(None) if family is None else family_tokenizer(family)
+    for record, trl_row in zip(records, _trl_rows(records, tok), strict=True):
+        documents = pair_documents(read_pair(record, OPTIONS, "f:1"), tok, OPTIONS, "f:1")
+        for (ids, labels), side in zip(documents, ("chosen_ids", "rejected_ids"), strict=True):
+            assert ids.tolist() == trl_row["prompt_ids"] + trl_row[side]
+            targets = np.flatnonzero(labels != -100).tolist()
+            assert targets == list(range(len(trl_row["prompt_ids"]), len(ids)))

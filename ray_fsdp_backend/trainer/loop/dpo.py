@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ray_fsdp_backend.context_parallel.sequence import IGNORE_INDEX
 from ray_fsdp_backend.trainer.data.sft_batches import pad_rows
@@ -140,7 +141,8 @@ class DPOObjective(Objective):
             index = pair_indices(ctx, batch)
             return self.stores[split].lookup(index[index >= 0])
         reference = self.frozen if self.reference is Reference.FROZEN else model
-        off = model.disable_adapter() if self.reference is Reference.ADAPTERS else None
+        peft = model.module if isinstance(model, DistributedDataParallel) else model
+        off = peft.disable_adapter() if self.reference is Reference.ADAPTERS else None
         with off or contextlib.nullcontext(), evaluating(reference), torch.no_grad():
             sums = self.log_probs(ctx, reference, batch)
         return sums.chosen, sums.rejected
