@@ -274,3 +274,4 @@ def test_long_responses_are_cut_and_counted_not_refused(tmp_path):
     counts = checked.counts["train"]
     assert counts["truncated"] == 1 and counts["pairs"] == 40 and checked.problem_count == 0
     assert "1 with responses truncated to seq_len" in checked.summary()
+    assert checked.summary({"train": "held out"}).startswith("40 pairs read, 0 refused; held out: ")
