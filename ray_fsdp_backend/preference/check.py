@@ -58,8 +58,9 @@ class PairCheck(RecordCheck):
         lines = [f"{self.read} pairs read, {self.problem_count} refused"]
         for split, c in self.counts.items():
             if c["records"] or split == "train":
+                name = (names or {}).get(split, split)
                 lines.append(
-                    f"{(names or {}).get(split, split)}: {c['records']} pairs rendered, {c['truncated']} with responses "
+                    f"{name}: {c['records']} pairs rendered, {c['truncated']} with responses "
                     f"truncated to seq_len, {c['pairs']} packed into {c['rows']} rows, "
                     f"{c['padding']} padding tokens"
                 )
