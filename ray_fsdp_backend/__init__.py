@@ -24,6 +24,12 @@ _EXPORTS = {
     "TrainContext": "ray_fsdp_backend.runtime.context",
     "get_context": "ray_fsdp_backend.runtime.context",
     "linear_cross_entropy": "ray_fsdp_backend.ops.loss",
+    "linear_token_log_probs": "ray_fsdp_backend.ops.loss",
+    "dpo_loss": "ray_fsdp_backend.preference.losses",
+    "reward_loss": "ray_fsdp_backend.preference.losses",
+    "PreferenceLoss": "ray_fsdp_backend.preference.losses",
+    "pair_log_probs": "ray_fsdp_backend.preference.log_probs",
+    "PairLogProbs": "ray_fsdp_backend.preference.log_probs",
     "load_pretrained": "ray_fsdp_backend.hf",
     "PretrainedCheckpointError": "ray_fsdp_backend.hf",
     "DDPStrategy": "ray_fsdp_backend.strategies",
@@ -34,6 +40,8 @@ _EXPORTS = {
     "check_sft_source": "ray_fsdp_backend.sft",
     "sft_dataset": "ray_fsdp_backend.sft",
     "sft_stats": "ray_fsdp_backend.sft",
+    "check_preference_source": "ray_fsdp_backend.preference.dataset",
+    "preference_dataset": "ray_fsdp_backend.preference.dataset",
 }
 
 __all__ = [
@@ -44,15 +52,23 @@ __all__ = [
     "FSDPSettings",
     "FSDPStrategy",
     "MeshDataConfig",
+    "PairLogProbs",
+    "PreferenceLoss",
     "PretrainedCheckpointError",
     "SFTDataError",
     "ShardingStrategy",
     "TrainContext",
     "build_strategy",
+    "check_preference_source",
     "check_sft_source",
+    "dpo_loss",
     "get_context",
     "linear_cross_entropy",
+    "linear_token_log_probs",
     "load_pretrained",
+    "pair_log_probs",
+    "preference_dataset",
+    "reward_loss",
     "sft_dataset",
     "sft_stats",
 ]
@@ -60,7 +76,10 @@ __all__ = [
 if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
-    from ray_fsdp_backend.ops.loss import linear_cross_entropy
+    from ray_fsdp_backend.ops.loss import linear_cross_entropy, linear_token_log_probs
+    from ray_fsdp_backend.preference.dataset import check_preference_source, preference_dataset
+    from ray_fsdp_backend.preference.log_probs import PairLogProbs, pair_log_probs
+    from ray_fsdp_backend.preference.losses import PreferenceLoss, dpo_loss, reward_loss
     from ray_fsdp_backend.runtime.backend import FSDPConfig
     from ray_fsdp_backend.runtime.context import TrainContext, get_context
     from ray_fsdp_backend.runtime.data_config import MeshDataConfig

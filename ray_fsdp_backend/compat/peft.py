@@ -57,6 +57,17 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def peft_base(model: nn.Module) -> nn.Module:
+    """The model a ``PeftModel`` wraps (with its adapters injected), for its
+    class and config; any other module as it is."""
+    if "peft" in sys.modules:
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            return model.get_base_model()
+    return model
+
+
 def has_frozen_parameters(model: nn.Module) -> bool:
     return any(not p.requires_grad for p in model.parameters())
 

@@ -22,8 +22,9 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
-from ray_fsdp_backend.compat.peft import is_peft_model, unwrap
+from ray_fsdp_backend.compat.peft import is_peft_model, peft_base, unwrap
 from ray_fsdp_backend.distributed.collectives import agreed, broadcast_from_rank0
 from ray_fsdp_backend.hf.experts import split_experts
 from ray_fsdp_backend.hf.holders import gather_holders, plan_group_files
@@ -265,13 +266,19 @@ def _copy_tokenizer_files(model: nn.Module, fs: pafs.FileSystem, root: str) -> N
 
 
 def _save_hf_config(model: nn.Module, fs: pafs.FileSystem, root: str, dtype: torch.dtype) -> None:
-    """``config.json`` (with the exported dtype) and ``generation_config.json``
-    of a ``transformers`` model; nothing for other modules."""
+    """``config.json`` (with the exported dtype, and the model's class as its
+    ``architectures``, as ``save_pretrained`` writes it: a reward model
+    built from a causal LM's config exports as ``...ForSequenceClassification``)
+    and ``generation_config.json`` of a ``transformers`` model; nothing for
+    other modules."""
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(config, "save_pretrained", None)):
         return
     config = copy.deepcopy(config)
     config.dtype = dtype
+    # The model's own class (FSDP2 makes every sharded module an ``FSDP<class>``).
+    own = next(c for c in type(peft_base(model)).__mro__ if not issubclass(c, FSDPModule))
+    config.architectures = [own.__name__]
     with tempfile.TemporaryDirectory(prefix="rfb-export-") as local:
         config.save_pretrained(local)
         generation = getattr(model, "generation_config", None)

@@ -76,9 +76,20 @@ def key_rules_for(model: nn.Module, checkpoint_keys: Iterable[str], model_keys: 
         model_keys,
         prefix=getattr(model, "base_model_prefix", "") or "",
         buffers=[name for name, _ in model.named_buffers()],
-        ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None) or (),
-        ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
+        ignore_unexpected=_declared(model, "_keys_to_ignore_on_load_unexpected"),
+        ignore_missing=_declared(model, "_keys_to_ignore_on_load_missing"),
     )
+
+
+def missing_rules(model: nn.Module) -> KeyRules:
+    """Only the missing keys ``model`` tolerates (its
+    ``_keys_to_ignore_on_load_missing``): the rules of a PEFT model, whose
+    keys its own map renames (a PeftModel reads the attribute off its base)."""
+    return KeyRules(ignore_missing=_union(set(_declared(model, "_keys_to_ignore_on_load_missing"))))
+
+
+def _declared(model: nn.Module, name: str) -> list[str]:
+    return list(getattr(model, name, None) or ())
 
 
 def to_model_key(key: str, rules: KeyRules, model_keys: set[str] | frozenset[str]) -> str | None:

@@ -32,7 +32,7 @@ from ray_fsdp_backend.compat.peft import note_frozen_loaded, unwrap
 from ray_fsdp_backend.distributed.collectives import broadcast_from_rank0
 from ray_fsdp_backend.hf.entries import Entry
 from ray_fsdp_backend.hf.experts import fuse_experts
-from ray_fsdp_backend.hf.keys import KeyRules, key_rules_for, to_model_key
+from ray_fsdp_backend.hf.keys import KeyRules, key_rules_for, missing_rules, to_model_key
 from ray_fsdp_backend.hf.peft import resolve_peft_load
 from ray_fsdp_backend.hf.reader import (
     KeyMap,
@@ -115,7 +115,7 @@ def load_pretrained(
         params = {n: i for n, i in params.items() if n in peft.required}
         state = {k: v for k, v in state.items() if k in peft.required}
     checkpoint = broadcast_from_rank0(lambda: read_checkpoint_index(fs, root, key_map))
-    rules = key_rules_for(inner, checkpoint, state) if peft is None else KeyRules()
+    rules = key_rules_for(inner, checkpoint, state) if peft is None else missing_rules(inner)
     names = frozenset(state)
     mapped = {}
     for key, entry in checkpoint.items():

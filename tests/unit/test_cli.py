@@ -32,6 +32,8 @@ NAMES = [
     "finetune_qlora",
     "sft_chat",
     "pipeline_tiny",
+    "dpo",
+    "reward",
 ]
 
 
@@ -50,6 +52,7 @@ def test_validate_accepts_every_example(capsys, tmp_path):
     (``model.pretrained`` is checked for a ``config.json``)."""
     pytest.importorskip("transformers")
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.preference.make_pairs import make_pairs, write_pairs
 
     kinds = {  # basename: (kind, chat template)
         "rfb-tiny-llama": ("llama", False),
@@ -69,6 +72,8 @@ def test_validate_accepts_every_example(capsys, tmp_path):
             doc["model"]["pretrained"] = path
         if doc.get("data", {}).get("format") == "chat":  # the records its header writes
             doc["data"] |= {"path": chat["train"], "eval_path": chat["eval"]}
+        if doc.get("data", {}).get("format") == "preference":  # pairs, as its header writes
+            doc["data"]["path"] = write_pairs(str(tmp_path / "pairs.jsonl"), make_pairs(64))
         if "pretrained" in doc["model"]:
             config = tmp_path / config.name
             config.write_text(yaml.safe_dump(doc))

@@ -132,6 +132,7 @@ LAYERS = (
     ("pipeline",),
     ("runtime",),
     ("sft",),
+    ("preference",),
     ("",),
     ("trainer.schema",),
     ("trainer.data",),

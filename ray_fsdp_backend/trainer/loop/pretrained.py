@@ -12,18 +12,30 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def build_pretrained(ctx, cfg: PretrainedModelConfig) -> nn.Module:
+def build_pretrained(ctx, cfg: PretrainedModelConfig, *, reward: bool = False) -> nn.Module:
     """The pretrained model (with LoRA adapters under ``cfg.lora``), wrapped
-    by ``ctx`` and loaded shard by shard."""
+    by ``ctx`` and loaded shard by shard. ``reward``: the checkpoint's
+    decoder with a scalar ``score`` head instead of its ``lm_head``
+    (``train.objective: reward``;
+    :func:`~ray_fsdp_backend.hf.models.build_sequence_classifier`).
+
+    Under LoRA a reward model's ``score`` head trains whole, as a plain
+    parameter beside the adapters: peft's ``task_type: SEQ_CLS`` would put it
+    in ``modules_to_save`` (a trainable copy under names no export reads,
+    refused by ``ctx.wrap``), and a fresh head has nothing to adapt. It keeps
+    its name, so the merged export writes it as ``score.weight``."""
     import torch
 
-    from ray_fsdp_backend.hf.models import build_causal_lm
+    from ray_fsdp_backend.hf.models import SCORE_HEAD, build_causal_lm, build_sequence_classifier
     from ray_fsdp_backend.trainer.schema.lora import apply_lora
 
     dtype = getattr(torch, BASE_DTYPES[cfg.base_dtype][0])
-    model = build_causal_lm(cfg.pretrained, dtype=dtype)
+    build = build_sequence_classifier if reward else build_causal_lm
+    model = build(cfg.pretrained, dtype=dtype)
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora)  # adapters fp32 (peft's autocast_adapter_dtype)
+        if reward:
+            model.get_base_model().get_submodule(SCORE_HEAD).requires_grad_(True)
     model = ctx.wrap(model)
     quantize = cfg.lora.base_quantization if cfg.lora is not None else None
     ctx.load_pretrained(model, cfg.pretrained, quantize=quantize)

@@ -18,6 +18,7 @@ from ray_fsdp_backend.planning.elastic import (
     worker_range,
 )
 from ray_fsdp_backend.trainer.schema.options import DataOptions, ScalingOptions, TrainOptions
+from ray_fsdp_backend.trainer.schema.preference import preference_errors
 from ray_fsdp_backend.trainer.schema.preflight import storage_errors
 from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 
@@ -53,6 +54,7 @@ def cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         errors += storage_errors(built["run"].storage_path)
     if data is not None:
         errors += data_errors(data, model, train)
+    errors += preference_errors(train, data, model, dist)
     return errors
 
 
@@ -73,6 +75,11 @@ def data_errors(data: DataOptions, model, train: TrainOptions | None) -> list[st
             path = getattr(data, key)
             if path is not None and "://" not in path and not os.path.exists(path):
                 errors.append(f"data.{key}={path!r} is not a file or directory")
+        if data.format == "preference" and data.train_on_prompt:
+            errors.append(
+                "data.train_on_prompt=true with data.format='preference': a pair's loss is "
+                "on its responses (the prompt is shared by both)"
+            )
         if data.eval_path is not None and data.eval_fraction is not None:
             errors.append(
                 f"data.eval_path={data.eval_path!r} and data.eval_fraction={data.eval_fraction}: "
