@@ -108,7 +108,7 @@ def pair_indices(ctx, batch: dict) -> torch.Tensor:
     out = torch.full((len(sequence_ids), pairs + 1), -1, dtype=torch.long, device=index.device)
     slot = torch.where(valid, sequence_ids // 2, pairs)
     out.scatter_reduce_(1, slot, torch.where(valid, index, -1).long(), reduce="amax")
-    out = out[:, :pairs]
+    out = out[:, :pairs].contiguous()  # all_reduce needs a dense tensor
     if ctx.cp_size > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.cp_group)
     return out
