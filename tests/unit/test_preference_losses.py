@@ -183,9 +183,10 @@ def _our_loss_and_grads(tiny, batch, loss_type):
     policy = _fused_pair_sums(model, batch)
     with torch.no_grad():
         reference = _fused_pair_sums(tiny.reference, batch)
-    loss = _ours(loss_type, policy, reference).losses.mean()
+    out = _ours(loss_type, policy, reference)
+    loss = out.losses.mean()
     loss.backward()
-    return loss.detach(), _grads(model)
+    return loss.detach(), _grads(model), out
 
 
 def _assert_grads_close(got: dict, want: dict, what: str):
@@ -201,7 +202,7 @@ def trl_batch(tiny):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"])
 def test_each_loss_equals_the_published_formula_on_full_logits(tiny, trl_batch, loss_type):
-    got_loss, got_grads = _our_loss_and_grads(tiny, trl_batch, loss_type)
+    got_loss, got_grads, got = _our_loss_and_grads(tiny, trl_batch, loss_type)
     model = copy.deepcopy(tiny.policy)
     c, r, len_c, len_r = _full_logits_pair_sums(model, trl_batch)
     with torch.no_grad():
@@ -210,6 +211,13 @@ def test_each_loss_equals_the_published_formula_on_full_logits(tiny, trl_batch, 
     want.backward()
     torch.testing.assert_close(got_loss, want.detach(), **TOL)
     _assert_grads_close(got_grads, _grads(model), loss_type)
+    # The rewards: beta x the log-ratio (DPO), beta x the mean log-prob (reference-free).
+    if loss_type in ("simpo", "orpo"):
+        rewards = (BETA * c / len_c, BETA * r / len_r)
+    else:
+        rewards = (BETA * (c - ref_c), BETA * (r - ref_r))
+    torch.testing.assert_close(got.chosen_rewards, rewards[0].detach(), **TOL)
+    torch.testing.assert_close(got.rejected_rewards, rewards[1].detach(), **TOL)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
@@ -217,7 +225,7 @@ def test_dpo_losses_equal_trl_dpo_trainer(tiny, loss_type):
     """TRL's ``DPOTrainer.compute_loss`` on the same model and pairs: the
     same loss (TRL's mean over the pairs) and the same model gradients."""
     trl_loss, trl_grads, batch = _trl_dpo(tiny, loss_type)
-    got_loss, got_grads = _our_loss_and_grads(tiny, batch, loss_type)
+    got_loss, got_grads, _ = _our_loss_and_grads(tiny, batch, loss_type)
     torch.testing.assert_close(got_loss, trl_loss, **TOL)
     _assert_grads_close(got_grads, trl_grads, loss_type)
 
