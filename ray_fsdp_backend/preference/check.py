@@ -52,12 +52,15 @@ class PairCheck(RecordCheck):
             at += n
         return starts
 
-    def summary(self) -> str:
+    def summary(self, names: dict[str, str] | None = None) -> str:
+        """The pairs read and refused, then the counts of each split that has
+        pairs (``names``: a split's name shown, if not its own)."""
         lines = [f"{self.read} pairs read, {self.problem_count} refused"]
         for split, c in self.counts.items():
             if c["records"] or split == "train":
+                name = (names or {}).get(split, split)
                 lines.append(
-                    f"{split}: {c['records']} pairs rendered, {c['truncated']} with responses "
+                    f"{name}: {c['records']} pairs rendered, {c['truncated']} with responses "
                     f"truncated to seq_len, {c['pairs']} packed into {c['rows']} rows, "
                     f"{c['padding']} padding tokens"
                 )

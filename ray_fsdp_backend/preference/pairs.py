@@ -18,7 +18,9 @@ with the role map and the tools field):
   is the longest shared prefix of ``chosen`` and ``rejected``, messages for
   conversations, characters for text, exactly TRL's ``extract_prompt``
   (trl 1.16 ``data_utils.py``: a text split backs up over one space). Two
-  conversations sharing no first message are refused (their prompts differ).
+  conversations sharing no first message, or differing first at a message
+  that is not the assistant's, are refused (their prompts differ: TRL would
+  train the differing user turns as part of the responses).
 
 Refused too: a missing or null ``chosen`` / ``rejected``, one text and one
 conversation, and identical responses (the pair teaches nothing: its DPO loss
@@ -134,6 +136,9 @@ def read_pair(record: Mapping[str, Any], options: PreferenceOptions, where: str)
         prompt = _messages(prompt, options.prompt_field, options, where)
         chosen = _after_prompt(prompt, chosen, options.chosen_field, options, where)
         rejected = _after_prompt(prompt, rejected, options.rejected_field, options, where)
+    if isinstance(chosen, list):
+        for name, response in ((options.chosen_field, chosen), (options.rejected_field, rejected)):
+            _check_response(response, len(prompt), name, where)
     if chosen == rejected:
         raise SFTDataError(
             f"{where}: {options.chosen_field!r} and {options.rejected_field!r} are the same "
@@ -182,7 +187,7 @@ def _messages(raw, name: str, options: PreferenceOptions, where: str) -> list[di
 def _after_prompt(prompt: list[dict], response: list[dict], name, options, where) -> list[dict]:
     """The response turns of ``response``: it whole when it starts with an
     assistant turn, else what follows the prompt's messages it starts with."""
-    if response[: len(prompt)] == prompt and len(response) > len(prompt):
+    if response[: len(prompt)] == prompt:
         return response[len(prompt) :]
     if response[0]["role"] == "assistant":
         return response
@@ -192,6 +197,20 @@ def _after_prompt(prompt: list[dict], response: list[dict], name, options, where
         "prompts differ; give the response turns (from the assistant's) or the whole "
         "conversation starting with the prompt"
     )
+
+
+def _check_response(response: list[dict], at: int, name: str, where: str) -> None:
+    """A conversational response starts with the assistant's turn: one that
+    starts with another role (an implicit prompt split before a user message
+    that differs) means the two conversations' prompts differ."""
+    if not response:
+        raise SFTDataError(f"{where}: field {name!r} holds no message after the prompt")
+    if response[0]["role"] != "assistant":
+        raise SFTDataError(
+            f"{where}: field {name!r} goes on with a {response[0]['role']!r} message (message "
+            f"{at}) after the shared prompt, so the pair's prompts differ; a response starts "
+            "with the assistant's turn"
+        )
 
 
 def _kind(value: Response) -> str:

@@ -264,3 +264,14 @@ def test_conversational_pairs_need_a_chat_template_and_train_on_prompt_is_refuse
         check_preference_source(path, st.tokenizer(None), seq_len=96)
     errors = _validate(chat_model, path, train_on_prompt=True)
     assert errors and "data.train_on_prompt=true with data.format='preference'" in errors[0]
+
+
+def test_long_responses_are_cut_and_counted_not_refused(tmp_path):
+    tok = st.tokenizer("chatml")
+    long = {"prompt": [_user("1+1?")], "chosen": [_assistant(LONG)], "rejected": [_assistant("3")]}
+    path = _write_jsonl(tmp_path / "a.jsonl", _forty(long))
+    checked = check_preference_source(path, tok, seq_len=128)
+    counts = checked.counts["train"]
+    assert counts["truncated"] == 1 and counts["pairs"] == 40 and checked.problem_count == 0
+    assert "1 with responses truncated to seq_len" in checked.summary()
+    assert checked.summary({"train": "held out"}).startswith("40 pairs read, 0 refused; held out: ")

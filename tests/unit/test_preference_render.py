@@ -128,6 +128,14 @@ def test_implicit_prompt_documents_equal_the_explicit_ones():
             {"prompt": PROMPT, "chosen": HISTORY + CHOSEN, "rejected": PROMPT + REJECTED},
             "prompts differ",
         ),
+        (
+            {
+                "chosen": HISTORY[:2] + [{"role": "user", "content": "x"}] + CHOSEN,
+                "rejected": HISTORY + REJECTED,
+            },
+            "goes on with a 'user' message (message 2) after the shared prompt",
+        ),
+        ({"prompt": PROMPT, "chosen": PROMPT, "rejected": REJECTED}, "no message after the prompt"),
         ({"prompt": "a", "chosen": "b", "rejected": REJECTED}, "all text or all messages"),
         ({"prompt": "a", "chosen": "b", "rejected": 4}, "not text or a list of messages"),
         (
