@@ -7,7 +7,8 @@ response; the loss on the responses only) are packed by
 row, 4 rows a step. The real step (``train_step`` with the run's
 ``DPOObjective``: ``rfb.pair_log_probs`` through the chunked head,
 ``rfb.dpo_loss``, the step's sum over its global pair count) trains a tiny
-pretrained Llama 3 AdamW steps at dp 2 and tp 2 (the reference
+pretrained Llama 3 AdamW steps at dp 2, tp 2 and (4 ranks) dp_shard 2 x
+cp 2 with Ulysses (the reference
 ``precompute``d before the first step, on rows dealt to the ranks the other
 way round, so each rank looks up pairs another rank computed), and at dp 2
 with ``reference: frozen`` (a second sharded copy). One process runs the
@@ -249,12 +250,38 @@ def _checks(rank, world, path):
     return results
 
 
+def _context_parallel(rank, world, path):
+    steps = _steps(_vocab(path))
+    cp = FSDPSettings(
+        use_fsdp=True,
+        use_mixed_precision=False,
+        context_parallel_size=2,
+        context_parallel_backend="ulysses",
+    )
+    ctx = setup_process_context(cp, torch.device("cpu"))
+    return {
+        "reference": _reference(path, steps),
+        "cp": _distributed(ctx, path, steps, "precompute"),
+    }
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def path(tmp_path_factory):
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
 
-    path = save_tiny_pretrained("llama", tmp_path_factory.mktemp("llama") / "ckpt")
+    return save_tiny_pretrained("llama", tmp_path_factory.mktemp("llama") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def results(path):
     return run_ranks(_checks, 2, path)
+
+
+def test_dp_shard2_cp2_trains_as_each_pair_alone(path):
+    """4 ranks: cp cuts every packed row (pairs across the cut), each pair's
+    sums reduced over the cp group, the count each tp x cp group's pairs."""
+    out = run_ranks(_context_parallel, 4, path)
+    _assert_close(out["cp"], out["reference"])
 
 
 def _assert_close(got, want, rel=1e-5, atol=1e-6):
