@@ -18,6 +18,12 @@ message]}``, rendered by the model's chat template; ``--format text`` writes
 seven."``). A ``.parquet`` name writes
 parquet, anything else JSON lines. The same ``--seed`` writes the same file.
 For ``examples/dpo.yaml`` (``data.format: preference``; docs/preference-rows.md).
+
+``--task tone`` writes the pairs of ``examples/reward.yaml`` instead: a
+request about a topic, a polite answer chosen and a curt one rejected. A
+tiny reward model separates those by their words alone; on the sums it
+stayed at chance (141 of 300 ranked right after 150 steps: scoring a sum
+needs the arithmetic a policy learns by imitation, not a scalar head).
 """
 
 from __future__ import annotations
@@ -54,6 +60,28 @@ def echo_pair(rng: random.Random, chat: bool) -> dict:
     return _pair(prompt, right if chat else f" {right}", wrong if chat else f" {wrong}", chat)
 
 
+TOPICS = (
+    "the river", "a garden", "the old map", "winter roads", "a small boat",
+    "the market", "tea", "a lamp", "the hills", "bread",
+)  # fmt: skip
+POLITE = (
+    "Gladly: {t} is worth a look, and here is why.",
+    "Sure, happy to help with {t}.",
+    "Good question about {t}; let me explain it.",
+)
+CURT = ("No.", "Ask someone else about {t}.", "Whatever, {t} is boring.")
+
+
+def tone_pair(rng: random.Random, chat: bool) -> dict:
+    topic = rng.choice(TOPICS)
+    chosen, rejected = rng.choice(POLITE).format(t=topic), rng.choice(CURT).format(t=topic)
+    return _pair(f"Tell me about {topic}.", chosen, rejected, chat)
+
+
+TASKS = {"arithmetic": (sum_pair, echo_pair), "tone": (tone_pair,)}
+"""Pair makers per ``--task``, taken in turn."""
+
+
 def _pair(prompt: str, chosen: str, rejected: str, chat: bool) -> dict:
     if not chat:
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
@@ -64,13 +92,17 @@ def _pair(prompt: str, chosen: str, rejected: str, chat: bool) -> dict:
     }
 
 
-def make_pairs(count: int = 300, *, format: str = "chat", seed: int = 0) -> list[dict]:
-    """``count`` pairs, sums and echoes alternating (module docstring)."""
+def make_pairs(
+    count: int = 300, *, format: str = "chat", seed: int = 0, task: str = "arithmetic"
+) -> list[dict]:
+    """``count`` pairs of ``task`` (module docstring): sums and echoes
+    alternating, or polite-over-curt answers."""
     if format not in ("chat", "text"):
         raise ValueError(f"format={format!r} is not one of chat, text")
-    rng = random.Random(seed)
-    makers = (sum_pair, echo_pair)
-    return [makers[i % 2](rng, format == "chat") for i in range(count)]
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not one of {', '.join(TASKS)}")
+    rng, makers = random.Random(seed), TASKS[task]
+    return [makers[i % len(makers)](rng, format == "chat") for i in range(count)]
 
 
 def write_pairs(path: str, records: list[dict]) -> str:
@@ -93,8 +125,10 @@ def main(argv=None) -> None:
     parser.add_argument("--count", type=int, default=300, help="pairs (default 300)")
     parser.add_argument("--format", default="chat", choices=["chat", "text"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task", default="arithmetic", choices=list(TASKS))
     args = parser.parse_args(argv)
-    write_pairs(args.path, make_pairs(args.count, format=args.format, seed=args.seed))
+    records = make_pairs(args.count, format=args.format, seed=args.seed, task=args.task)
+    write_pairs(args.path, records)
     print(f"wrote {args.count} {args.format} preference pairs to {args.path}")
 
 

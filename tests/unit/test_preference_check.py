@@ -108,7 +108,7 @@ def _validate(model: str, path: str, **data) -> list[str]:
         "distributed": {},
         "model": {"pretrained": model, "seq_len": 128},
         "data": {"format": "preference", "path": path, "packing": True, **data},
-        "train": {"micro_batch_size": 1},
+        "train": {"micro_batch_size": 1, "objective": "dpo", "dpo": {"reference": "precompute"}},
         "scaling": {"num_workers": 1},
     }
     return check_spec(doc)
@@ -149,7 +149,7 @@ def test_validate_and_train_commands_refuse_record_25_before_ray(chat_model, tmp
         "distributed: {}\n"
         f"model: {{pretrained: {chat_model}, seq_len: 128}}\n"
         f"data: {{format: preference, path: {data}, packing: true}}\n"
-        "train: {steps: 1, micro_batch_size: 1}\nscaling: {num_workers: 1}\n"
+        "train: {steps: 1, micro_batch_size: 1, objective: dpo}\nscaling: {num_workers: 1}\n"
     )
     probe = (
         "import sys; from ray_fsdp_backend.cli.main import main\n"

@@ -220,6 +220,7 @@ def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, 
     """Each example as written, its export already there (a second run):
     only the checkpoints the examples' comments create are stood in for."""
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
+    from ray_fsdp_backend.preference.make_pairs import make_pairs, write_pairs
 
     stand_in = {
         "rfb-tiny-llama": configs["llama"],
@@ -235,8 +236,11 @@ def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, 
         model = doc.get("model") or {}
         if "pretrained" in model:
             model["pretrained"] = stand_in[Path(model["pretrained"]).name]
-        if (doc.get("data") or {}).get("format") == "chat":
+        data_format = (doc.get("data") or {}).get("format")
+        if data_format == "chat":
             doc["data"] |= {"path": chat["train"], "eval_path": chat["eval"]}
+        if data_format == "preference":  # the pairs the examples' headers write
+            doc["data"]["path"] = write_pairs(str(tmp_path / "pairs.jsonl"), make_pairs(64))
         if model.get("export"):
             export = tmp_path / example.stem / "export"
             export.mkdir(parents=True)
@@ -246,8 +250,8 @@ def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, 
         path = tmp_path / example.name
         path.write_text(yaml.safe_dump(doc))
         assert main(["validate", str(path)]) == 0, (example.name, capsys.readouterr().out)
-    # finetune_hf, finetune_lora, finetune_qlora, moe_ep, pipeline_tiny, sft_chat
-    assert checked == 6
+    # dpo, finetune_hf, finetune_lora, finetune_qlora, moe_ep, pipeline_tiny, reward, sft_chat
+    assert checked == 8
 
 
 def test_storage_path_is_checked_before_ray(tmp_path, s3_server, monkeypatch):
