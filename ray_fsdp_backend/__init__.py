@@ -23,6 +23,7 @@ _EXPORTS = {
     "ShardingStrategy": "ray_fsdp_backend.settings.config",
     "TrainContext": "ray_fsdp_backend.runtime.context",
     "get_context": "ray_fsdp_backend.runtime.context",
+    "grpo_advantages": "ray_fsdp_backend.rl",
     "linear_cross_entropy": "ray_fsdp_backend.ops.loss",
     "load_pretrained": "ray_fsdp_backend.hf",
     "PretrainedCheckpointError": "ray_fsdp_backend.hf",
@@ -34,6 +35,7 @@ _EXPORTS = {
     "check_sft_source": "ray_fsdp_backend.sft",
     "sft_dataset": "ray_fsdp_backend.sft",
     "sft_stats": "ray_fsdp_backend.sft",
+    "policy_loss": "ray_fsdp_backend.rl",
 }
 
 __all__ = [
@@ -51,8 +53,10 @@ __all__ = [
     "build_strategy",
     "check_sft_source",
     "get_context",
+    "grpo_advantages",
     "linear_cross_entropy",
     "load_pretrained",
+    "policy_loss",
     "sft_dataset",
     "sft_stats",
 ]
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
     from ray_fsdp_backend.ops.loss import linear_cross_entropy
+    from ray_fsdp_backend.rl import grpo_advantages, policy_loss
     from ray_fsdp_backend.runtime.backend import FSDPConfig
     from ray_fsdp_backend.runtime.context import TrainContext, get_context
     from ray_fsdp_backend.runtime.data_config import MeshDataConfig

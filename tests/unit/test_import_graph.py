@@ -131,7 +131,7 @@ LAYERS = (
     ("checkpoint", "hf", "dmuon", "metrics"),
     ("pipeline",),
     ("runtime",),
-    ("sft",),
+    ("sft", "rl"),
     ("",),
     ("trainer.schema",),
     ("trainer.data",),
