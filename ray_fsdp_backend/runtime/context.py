@@ -26,6 +26,7 @@ from ray_fsdp_backend.planning.topology import (
     MeshLayout,
     Topology,
 )
+from ray_fsdp_backend.runtime.offload import offload, onload
 from ray_fsdp_backend.settings.config import FSDPSettings
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 
@@ -351,6 +352,20 @@ class TrainContext:
 
             self._checkpoints = RunCheckpoints()
         return self._checkpoints
+
+    def offload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Free the device memory of ``model``'s parameters, gradients and
+        buffers and of ``optimizer``'s state until :meth:`onload` (a
+        colocated rollout engine's turn): their bytes go to host memory, the
+        tensors stay the same objects, so the next step after :meth:`onload`
+        is bit-identical to one without the round trip. Returns the bytes
+        freed on this rank. See :mod:`~ray_fsdp_backend.runtime.offload`."""
+        return offload(model, optimizer)
+
+    def onload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Bring back what :meth:`offload` freed (the same ``optimizer``).
+        Returns the bytes restored on this rank."""
+        return onload(model, optimizer)
 
     def close(self) -> None:
         """Drop the run's state (checkpoints and their async-save group);
