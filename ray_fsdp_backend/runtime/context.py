@@ -353,6 +353,19 @@ class TrainContext:
             self._checkpoints = RunCheckpoints()
         return self._checkpoints
 
+    def stream_weights(
+        self, model: nn.Module, *, bucket_bytes: int | str = 512 * 2**20, dtype=None
+    ):
+        """Yield ``model``'s full weights as ``[(hf_name, tensor), ...]``
+        buckets of at most ``bucket_bytes``: the tensors ``export_model``
+        writes (adapters merged, experts per expert), gathered one at a time,
+        for a rollout engine's weight reload. Collective: every rank iterates
+        to the end and receives every bucket. See
+        :func:`~ray_fsdp_backend.hf.stream.stream_weights`."""
+        from ray_fsdp_backend.hf.stream import stream_weights
+
+        return stream_weights(model, bucket_bytes=bucket_bytes, dtype=dtype)
+
     def offload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Free the device memory of ``model``'s parameters, gradients and
         buffers and of ``optimizer``'s state until :meth:`onload` (a
