@@ -25,6 +25,12 @@ _EXPORTS = {
     "get_context": "ray_fsdp_backend.runtime.context",
     "grpo_advantages": "ray_fsdp_backend.rl",
     "linear_cross_entropy": "ray_fsdp_backend.ops.loss",
+    "linear_token_log_probs": "ray_fsdp_backend.ops.loss",
+    "dpo_loss": "ray_fsdp_backend.preference.losses",
+    "reward_loss": "ray_fsdp_backend.preference.losses",
+    "PreferenceLoss": "ray_fsdp_backend.preference.losses",
+    "pair_log_probs": "ray_fsdp_backend.preference.log_probs",
+    "PairLogProbs": "ray_fsdp_backend.preference.log_probs",
     "load_pretrained": "ray_fsdp_backend.hf",
     "PretrainedCheckpointError": "ray_fsdp_backend.hf",
     "DDPStrategy": "ray_fsdp_backend.strategies",
@@ -46,17 +52,23 @@ __all__ = [
     "FSDPSettings",
     "FSDPStrategy",
     "MeshDataConfig",
+    "PairLogProbs",
+    "PreferenceLoss",
     "PretrainedCheckpointError",
     "SFTDataError",
     "ShardingStrategy",
     "TrainContext",
     "build_strategy",
     "check_sft_source",
+    "dpo_loss",
     "get_context",
     "grpo_advantages",
     "linear_cross_entropy",
+    "linear_token_log_probs",
     "load_pretrained",
+    "pair_log_probs",
     "policy_loss",
+    "reward_loss",
     "sft_dataset",
     "sft_stats",
 ]
@@ -64,7 +76,9 @@ __all__ = [
 if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
-    from ray_fsdp_backend.ops.loss import linear_cross_entropy
+    from ray_fsdp_backend.ops.loss import linear_cross_entropy, linear_token_log_probs
+    from ray_fsdp_backend.preference.log_probs import PairLogProbs, pair_log_probs
+    from ray_fsdp_backend.preference.losses import PreferenceLoss, dpo_loss, reward_loss
     from ray_fsdp_backend.rl import grpo_advantages, policy_loss
     from ray_fsdp_backend.runtime.backend import FSDPConfig
     from ray_fsdp_backend.runtime.context import TrainContext, get_context

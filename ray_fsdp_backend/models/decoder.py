@@ -33,7 +33,8 @@ from ray_fsdp_backend.context_parallel.attention import ContextParallelAttention
 # The config is plain data in its own module (plan / validate import no torch);
 # it is re-exported here, beside the model it sizes.
 from ray_fsdp_backend.models.config import PRESETS, ModelConfig  # noqa: F401
-from ray_fsdp_backend.ops.loss import capture_head_input, linear_cross_entropy
+from ray_fsdp_backend.ops.head import capture_head_input
+from ray_fsdp_backend.ops.loss import linear_cross_entropy
 
 
 class RMSNorm(nn.Module):

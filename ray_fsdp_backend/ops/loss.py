@@ -35,13 +35,11 @@ shapes; a 1-token remainder is specialised once).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ray_fsdp_backend.planning.memory import DEFAULT_CHUNK_TOKENS
@@ -68,7 +66,9 @@ def linear_cross_entropy(
     inputs' dtype (a bf16 matmul accumulates in fp32) and turned to fp32
     before the soft-cap, softmax and log-sum-exp; backward recomputes them
     chunk by chunk. The weight's gradient is accumulated in fp32 over the
-    chunks and returned in its dtype.
+    chunks and returned in its dtype. The loss is minus the sum of
+    :func:`linear_token_log_probs` (one kernel: per-token values whose
+    backward takes a per-token gradient).
 
     Args:
         hidden: ``[..., dim]`` final hidden states (after the last norm).
@@ -102,6 +102,99 @@ def linear_cross_entropy(
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    total = _token_losses(hidden, weight, labels, ignore_index, chunk_size, softcap, 1.0, compile)
+    total = total.sum()
+    if reduction == "sum":
+        return total
+    # At least 1: no valid token gives 0 / 1 (zero gradients), not 0 / 0 (NaN).
+    return total / (labels != ignore_index).sum().clamp_min(1)
+
+
+def linear_token_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    compile: bool = False,
+) -> torch.Tensor:
+    """Each token's log-probability of its target,
+    ``log_softmax(logits / temperature).gather(-1, targets)`` with
+    ``logits = softcap(hidden @ weight.T)`` in fp32, without the whole
+    ``[tokens, vocab]`` logits.
+
+    The same chunked kernel as :func:`linear_cross_entropy` (which is minus
+    this function's sum): forward keeps one chunk's logits at a time and saves
+    each token's log-sum-exp; backward takes a per-token gradient and
+    recomputes each chunk's logits. ``temperature`` divides the soft-capped
+    logits, as vLLM's sampler does, so a policy's log-probs match the
+    sampler's. Under a tp ``Shard(0)`` head the vocabulary is split as in
+    :func:`linear_cross_entropy`; every tp rank gets every token's value.
+
+    Args:
+        hidden: ``[..., dim]`` final hidden states (after the last norm).
+        weight: ``[vocab, dim]`` output head weight (see
+            :func:`linear_cross_entropy`).
+        targets: ``[...]`` target token per row of ``hidden``, already
+            shifted; ``ignore_index`` rows get 0 and no gradient.
+        ignore_index: target value that takes no log-probability.
+        chunk_size: tokens per chunk (None: :data:`DEFAULT_CHUNK_TOKENS`).
+        softcap: Gemma 2's final logit soft-cap ``c * tanh(logits / c)``.
+        temperature: a positive divisor of the (soft-capped) logits.
+        compile: run each chunk's math through ``torch.compile``.
+
+    Returns:
+        fp32 ``[...]`` (``targets``' shape), differentiable in ``hidden`` and
+        ``weight``.
+
+    Raises:
+        ValueError: a chunk size below 1, a temperature not above 0,
+            mismatched shapes, or a weight split over a mesh axis not ``tp``.
+        RuntimeError: a target outside ``[0, vocab)`` that is not
+            ``ignore_index`` (see :func:`linear_cross_entropy`).
+    """
+    _check_temperature(temperature)
+    losses = _token_losses(
+        hidden, weight, targets, ignore_index, chunk_size, softcap, float(temperature), compile
+    )
+    return losses.neg().view(targets.shape)
+
+
+def logits_token_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log_softmax(logits.float() / temperature).gather(-1, targets)``, 0
+    where ``targets == ignore_index``: the per-token log-probs of whole
+    ``[..., vocab]`` logits (a model whose head the fused kernel cannot take;
+    the tests' reference). A DTensor ``logits`` (a tp head's vocabulary
+    slices) is gathered whole first."""
+    _check_temperature(temperature)
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    valid = targets != ignore_index
+    picked = log_probs.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, 0.0)
+
+
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, bool) or not float(temperature) > 0:
+        raise ValueError(f"temperature={temperature!r} must be a number above 0")
+
+
+def _token_losses(
+    hidden, weight, labels, ignore_index, chunk_size, softcap, temperature, compile
+) -> torch.Tensor:
+    """Each row's ``lse - target logit`` (fp32 ``[tokens]``, 0 where
+    ignored) through :class:`_ChunkedTokenLosses`, after the checks both
+    public functions share."""
     chunk = DEFAULT_CHUNK_TOKENS if chunk_size is None else chunk_size
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
@@ -114,21 +207,15 @@ def linear_cross_entropy(
     hidden, weight, group, vocab_start = _local_operands(hidden, weight)
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden dim {hidden.shape[-1]} != weight dim {weight.shape[-1]}")
-    total = _ChunkedLinearCrossEntropy.apply(
+    return _ChunkedTokenLosses.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         labels.reshape(-1),
-        ignore_index,
+        (ignore_index, vocab_start, softcap, temperature),
         chunk,
-        softcap,
         group,
-        vocab_start,
         _kernels(compile),
     )
-    if reduction == "sum":
-        return total
-    # At least 1: no valid token gives 0 / 1 (zero gradients), not 0 / 0 (NaN).
-    return total / (labels != ignore_index).sum().clamp_min(1)
 
 
 def _assert_labels_in_vocabulary(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -188,16 +275,17 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """One chunk's fp32 (capped) logits: the matmul in the inputs' dtype."""
-    return _capped((h @ w.T).float(), softcap)
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, softcap, temperature) -> torch.Tensor:
+    """One chunk's fp32 (capped, tempered) logits: the matmul in the inputs' dtype."""
+    z = _capped((h @ w.T).float(), softcap)
+    return z if temperature == 1.0 else z / temperature
 
 
-def _logits_peak(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
+def _logits_peak(h, w, labels, ignore_index: int, vocab_start: int, softcap, temperature):
     """One chunk's fp32 logits over this rank's vocabulary (slice), their
     row maxima, and each row's target logit where its target lies in the
     slice (else 0)."""
-    z = _chunk_logits(h, w, softcap)
+    z = _chunk_logits(h, w, softcap, temperature)
     target, valid = _local_targets(labels, ignore_index, vocab_start, w.shape[0])
     picked = torch.where(valid, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
     return z, z.max(dim=1).values, picked
@@ -208,18 +296,18 @@ def _exp_sum(z: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
     return z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1)
 
 
-def _chunk_stats(h, w, labels, ignore_index: int, vocab_start: int, softcap: float | None):
+def _chunk_stats(h, w, labels, ignore_index: int, vocab_start: int, softcap, temperature):
     """One chunk's log-sum-exp and target logits over the whole vocabulary
     (the weight unsplit): :func:`_logits_peak` and :func:`_exp_sum` in one."""
-    z, peak, picked = _logits_peak(h, w, labels, ignore_index, vocab_start, softcap)
+    z, peak, picked = _logits_peak(h, w, labels, ignore_index, vocab_start, softcap, temperature)
     return peak + _exp_sum(z, peak).log(), picked
 
 
-def _chunk_grads(h, w, labels, lse, scale, options: tuple, want_hidden: bool):
-    """One chunk's gradient of ``scale`` x its token-sum loss with respect to
-    its logits (in ``h``'s dtype) and, when ``want_hidden``, to ``h``;
-    ``options``: ``(ignore_index, vocab_start, softcap)``."""
-    grad_z = _chunk_grad(h, w, labels, lse, *options).mul_(scale).to(h.dtype)
+def _chunk_grads(h, w, labels, lse, grad_rows, options: tuple, want_hidden: bool):
+    """One chunk's gradient of ``sum(grad_rows * token losses)`` with respect
+    to its logits (in ``h``'s dtype) and, when ``want_hidden``, to ``h``;
+    ``options``: ``(ignore_index, vocab_start, softcap, temperature)``."""
+    grad_z = _chunk_grad(h, w, labels, lse, grad_rows, *options).to(h.dtype)
     return grad_z, (grad_z @ w if want_hidden else None)
 
 
@@ -258,7 +346,7 @@ def _chunk_forward(kernels: _Kernels, h, w, labels, options: tuple, group):
     """One chunk's log-sum-exp and target logits over the whole vocabulary;
     under tp one all-reduce of the maxima and one of the exp-sums and target
     logits, between the kernels. ``options``: ``(ignore_index, vocab_start,
-    softcap)``."""
+    softcap, temperature)``."""
     if group is None:
         return kernels.stats(h, w, labels, *options)
     z, peak, picked = kernels.logits_peak(h, w, labels, *options)
@@ -267,30 +355,28 @@ def _chunk_forward(kernels: _Kernels, h, w, labels, options: tuple, group):
     return peak + sums[0].log(), sums[1]
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Token-sum cross-entropy over chunks; saves only the log-sum-exps."""
+class _ChunkedTokenLosses(torch.autograd.Function):
+    """Per-token ``lse - target logit`` over chunks (0 where ignored); saves
+    only the log-sum-exps. Backward takes a per-token gradient."""
 
     @staticmethod
-    def forward(
-        ctx, hidden, weight, labels, ignore_index, chunk, softcap, group, vocab_start, kernels
-    ):
+    def forward(ctx, hidden, weight, labels, options, chunk, group, kernels):
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        options = (ignore_index, vocab_start, softcap)
+        losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             rows = labels[start:end]
             stats = _chunk_forward(kernels, hidden[start:end], weight, rows, options, group)
             lse[start:end], picked = stats
-            total += torch.where(rows != ignore_index, lse[start:end] - picked, 0.0).sum()
+            losses[start:end] = torch.where(rows != options[0], lse[start:end] - picked, 0.0)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.options = options
         ctx.chunk, ctx.group, ctx.kernels = chunk, group, kernels
-        return total
+        return losses
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_losses):
         hidden, weight, labels, lse = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -299,9 +385,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
-            h = hidden[start:end]
+            h, rows = hidden[start:end], slice(start, end)
             grad_z, grad_h = ctx.kernels.grads(
-                h, weight, labels[start:end], lse[start:end], grad_total, ctx.options, want_hidden
+                h, weight, labels[rows], lse[rows], grad_losses[rows], ctx.options, want_hidden
             )
             if want_hidden:
                 grad_hidden[start:end] = grad_h
@@ -312,7 +398,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_z, h) -> None:
@@ -331,16 +417,22 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_z, h) -> None:
         grad_weight.addmm_(grad_z.T.float(), h.float())
 
 
-def _chunk_grad(h, weight, labels, lse, ignore_index, vocab_start, softcap) -> torch.Tensor:
-    """d(token-sum loss) / d(pre-cap logits) of one chunk, fp32."""
-    z = _chunk_logits(h, weight, softcap)
+def _chunk_grad(
+    h, weight, labels, lse, grad_rows, ignore_index, vocab_start, softcap, temperature
+) -> torch.Tensor:
+    """d(sum of ``grad_rows`` x token losses) / d(pre-cap logits) of one
+    chunk, fp32: ``(softmax - one-hot) x grad_row / temperature``, times the
+    soft-cap's derivative."""
+    z = _chunk_logits(h, weight, softcap, temperature)
     grad = (z - lse.unsqueeze(1)).exp_()  # softmax
     target, valid = _local_targets(labels, ignore_index, vocab_start, weight.shape[0])
     # Minus one at each target in this slice (a scatter: no host sync).
     grad.scatter_add_(1, target.unsqueeze(1), -valid.to(grad.dtype).unsqueeze(1))
-    grad *= (labels != ignore_index).unsqueeze(1)
+    row_scale = torch.where(labels != ignore_index, grad_rows.float(), 0.0)
+    grad *= (row_scale if temperature == 1.0 else row_scale / temperature).unsqueeze(1)
     if softcap is not None:
-        grad *= 1.0 - (z / softcap).square()
+        capped = z if temperature == 1.0 else z * temperature
+        grad *= 1.0 - (capped / softcap).square()
     return grad
 
 
@@ -349,31 +441,3 @@ def _local_targets(labels, ignore_index, vocab_start, vocab_local):
     local = labels - vocab_start
     valid = (labels != ignore_index) & (local >= 0) & (local < vocab_local)
     return torch.where(valid, local, 0), valid
-
-
-class HeadInput:
-    """What :func:`capture_head_input` saw: the head's input ``hidden``."""
-
-    hidden: torch.Tensor | None = None
-
-
-@contextlib.contextmanager
-def capture_head_input(head: nn.Module) -> Iterator[HeadInput]:
-    """While open, every call of the output ``head`` keeps its input in the
-    yielded :class:`HeadInput` and computes the first position of each row
-    only (its input becomes the ``[..., :1, :]`` slice; an empty one fails
-    DTensor's sharding propagation under tp, torch 2.13): the model's forward
-    runs whole but makes ``batch x vocab`` logits, not ``tokens x vocab``.
-    The hook runs after the head's own pre-hooks (a tp head's input is then
-    the ``Replicate`` DTensor its weight takes)."""
-    captured = HeadInput()
-
-    def hook(_module, args):
-        captured.hidden = args[0]
-        return (args[0][..., :1, :], *args[1:])
-
-    handle = head.register_forward_pre_hook(hook)
-    try:
-        yield captured
-    finally:
-        handle.remove()

@@ -190,6 +190,75 @@ class TrainContext:
         ring = self.strategy.cp_backend == "ring"
         return shard_sequence(batch, self.cp_rank, self.cp_size, load_balance=ring)
 
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel process group (``mesh["cp"]``), None without CP."""
+        return self.mesh[CP_AXIS].get_group() if self.cp_size > 1 else None
+
+    def sequence_log_probs(
+        self,
+        model: nn.Module,
+        batch: dict[str, torch.Tensor],
+        *,
+        temperature: float = 1.0,
+        chunk_tokens: int | None = None,
+        compile: bool = False,
+    ) -> torch.Tensor:
+        """Each token's log-probability of its target under ``model``: fp32
+        ``[rows, seq]``, 0 where ``batch["targets"]`` is -100.
+
+        ``batch`` is a micro-batch as :meth:`shard_sequence` returned it
+        (``input_ids``, ``targets``, ``position_ids``, passed to the model).
+        The model runs with its output head computing one position a row and
+        the log-probs come from the head's input and weight chunk by chunk
+        (:func:`~ray_fsdp_backend.ops.loss.linear_token_log_probs`: never the
+        ``[tokens, vocab]`` fp32 logits; vocabulary-parallel under a tp head;
+        the model's logit soft-cap and scale applied as it would). A model
+        whose head is not a bias-free ``nn.Linear`` (a LoRA adapter on it), or
+        ``chunk_tokens=0``, takes ``log_softmax`` of its whole logits. Under
+        the ring cp backend call it inside :meth:`sequence_region`, with the
+        backward.
+
+        Args:
+            model: the wrapped model (example decoder or transformers causal LM).
+            batch: the micro-batch (see above).
+            temperature: divides the (soft-capped) logits, as vLLM's sampler.
+            chunk_tokens: tokens per chunk (None: the default chunk; 0: whole logits).
+            compile: compile the per-chunk math (``torch.compile``).
+
+        Raises:
+            ValueError: a ``temperature`` not above 0, or a batch without
+                ``input_ids`` or ``targets``.
+        """
+        from ray_fsdp_backend.ops.head import (
+            head_hidden_states,
+            keep_head_gathered,
+            resolve_loss_head,
+        )
+        from ray_fsdp_backend.ops.loss import linear_token_log_probs, logits_token_log_probs
+
+        missing = [key for key in ("input_ids", "targets") if key not in batch]
+        if missing:
+            raise ValueError(f"batch has no {missing} (keys: {sorted(batch)})")
+        inputs, targets = batch["input_ids"], batch["targets"]
+        position_ids = batch.get("position_ids")
+        head = None if chunk_tokens == 0 else resolve_loss_head(model)
+        if head is None:
+            output = model(inputs, position_ids=position_ids)
+            logits = getattr(output, "logits", output)  # a transformers model's output
+            return logits_token_log_probs(logits, targets, temperature=temperature)
+        keep_head_gathered(model, head)
+        hidden, _ = head_hidden_states(model, head, inputs, position_ids=position_ids)
+        return linear_token_log_probs(
+            hidden,
+            head.module.weight,
+            targets,
+            chunk_size=chunk_tokens,
+            softcap=head.softcap,
+            temperature=temperature,
+            compile=compile,
+        )
+
     def seed_step(self, seed: int, step: int) -> None:
         """Seed this rank's generators for ``step`` as ``ray-fsdp train`` does
         every step: from ``seed``, ``step`` and this rank's dp, cp and pp

@@ -76,9 +76,10 @@ def _reference(cfg, start: dict, batch) -> tuple[list[float], dict]:
 
 def _layout(settings: dict, shape: dict, compiled: bool = False) -> dict:
     from ray_fsdp_backend.models.decoder import ModelConfig, Transformer
+    from ray_fsdp_backend.ops.head import prepare_loss
     from ray_fsdp_backend.runtime.worker import setup_process_context
     from ray_fsdp_backend.settings.config import FSDPSettings
-    from ray_fsdp_backend.trainer.loop.loss import micro_batch_loss, prepare_loss
+    from ray_fsdp_backend.trainer.loop.loss import micro_batch_loss
 
     ctx = setup_process_context(
         FSDPSettings(use_fsdp=True, use_mixed_precision=False, **settings), torch.device("cpu")

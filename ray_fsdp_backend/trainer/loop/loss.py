@@ -8,7 +8,7 @@ its ``targets`` (already shifted: target ``i`` is the token after input
 With ``train.loss_chunk_tokens`` > 0 (the default) the logits are never
 made whole: the output head's input is captured and the head computes the
 first position of each row only
-(:func:`~ray_fsdp_backend.ops.loss.capture_head_input`), then
+(:func:`~ray_fsdp_backend.ops.head.capture_head_input`), then
 :func:`~ray_fsdp_backend.ops.loss.linear_cross_entropy` takes the hidden states
 and the head's weight (tied or not; a tp head's vocabulary slice) chunk by
 chunk. The model's forward is otherwise the one it has: the example
@@ -16,7 +16,7 @@ decoder and every transformers causal LM (its ``get_output_embeddings()``,
 Gemma's ``final_logit_softcapping``, Cohere's ``logit_scale`` and Granite's
 ``logits_scaling`` applied as the model would). The head's weight is used
 after the forward, so the FSDP unit that holds it keeps it gathered until
-backward (:func:`prepare_loss`; torch's own default for a root unit, and
+backward (:func:`~ray_fsdp_backend.ops.head.prepare_loss`; torch's own default for a root unit, and
 the root's weights are gathered again at the start of backward anyway).
 With ``distributed.compile`` on (``auto``: on CUDA workers) the fused
 loss's per-chunk math is compiled too (``linear_cross_entropy(...,
@@ -27,29 +27,14 @@ on the whole fp32 logits, as before; a head that is not a plain bias-free
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
-from ray_fsdp_backend.ops.loss import capture_head_input, linear_cross_entropy
-
-_logger = logging.getLogger(__name__)
-
-
-class LossHead(NamedTuple):
-    """The output head and how the model turns its output into logits."""
-
-    module: nn.Linear
-    softcap: float | None = None
-    """Gemma 2/3's ``final_logit_softcapping``."""
-    scale: float = 1.0
-    """A factor on the logits (Cohere's ``logit_scale``, 1 / Granite's
-    ``logits_scaling``), applied to the hidden states instead."""
+from ray_fsdp_backend.ops.head import LossHead, head_hidden_states
+from ray_fsdp_backend.ops.loss import linear_cross_entropy
 
 
 class MicroBatchLoss(NamedTuple):
@@ -57,55 +42,6 @@ class MicroBatchLoss(NamedTuple):
     """Cross-entropy summed over the micro-batch's valid targets (fp32, 0-d)."""
     aux_loss: torch.Tensor | None
     """The model output's ``aux_loss`` (an MoE with ``output_router_logits``)."""
-
-
-def resolve_loss_head(model: nn.Module) -> LossHead | None:
-    """The head the fused loss takes: the model's ``get_output_embeddings()``
-    when it is a bias-free ``nn.Linear``, with the logit soft-cap and scale of
-    a transformers config; None (full logits) otherwise. A DDP wrapper is
-    looked through (its ``module``)."""
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None:
-        return None
-    config = getattr(model, "config", None)
-    scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:
-        scale = float(config.logit_scale)
-    if getattr(config, "logits_scaling", None) is not None:
-        scale = 1.0 / float(config.logits_scaling)
-    return LossHead(head, getattr(config, "final_logit_softcapping", None), scale)
-
-
-def prepare_loss(model: nn.Module, chunk_tokens: int) -> LossHead | None:
-    """The head for :func:`micro_batch_loss` (None: full logits), its FSDP
-    unit set to keep the weight gathered after forward. Logs why a model
-    takes the full-logits path."""
-    if chunk_tokens == 0:
-        return None
-    head = resolve_loss_head(model)
-    if head is None:
-        _logger.info(
-            "train.loss_chunk_tokens=%d: %s's output head is not a bias-free nn.Linear "
-            "(a LoRA adapter on it?): the loss takes the full logits",
-            chunk_tokens,
-            type(model).__name__,
-        )
-        return None
-    owner = _owning_fsdp_unit(model, head.module)
-    if owner is not None:
-        owner.set_reshard_after_forward(False, recurse=False)
-    return head
-
-
-def _owning_fsdp_unit(model: nn.Module, head: nn.Module) -> FSDPModule | None:
-    """The innermost FSDP module whose subtree holds ``head``."""
-    owner = None
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and any(m is head for m in module.modules()):
-            owner = module  # modules() walks outer to inner
-    return owner
 
 
 def micro_batch_loss(
@@ -124,7 +60,7 @@ def micro_batch_loss(
         model: the wrapped model (the example decoder or a transformers causal LM).
         inputs, targets: ``[batch, seq]`` token ids and shifted targets (-100: none).
         position_ids: what the model takes (packed rows, cp shards) or None.
-        head: :func:`prepare_loss`'s result; None computes the full logits.
+        head: :func:`~ray_fsdp_backend.ops.head.prepare_loss`'s result; None: full logits.
         chunk_tokens: tokens per chunk of the fused loss.
         compile: compile the fused loss's per-chunk math (the run's
             ``distributed.compile``, resolved for the worker's device).
@@ -136,9 +72,7 @@ def micro_batch_loss(
             logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
         )
         return MicroBatchLoss(token_sum, getattr(output, "aux_loss", None))
-    with capture_head_input(head.module) as captured:
-        output = model(inputs, position_ids=position_ids)
-    hidden = captured.hidden if head.scale == 1.0 else captured.hidden * head.scale
+    hidden, output = head_hidden_states(model, head, inputs, position_ids=position_ids)
     token_sum = linear_cross_entropy(
         hidden,
         head.module.weight,

@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend.distributed.step_guard import step_if_finite
-from ray_fsdp_backend.trainer.loop.loss import MicroBatchLoss, micro_batch_loss, prepare_loss
+from ray_fsdp_backend.ops.head import prepare_loss
+from ray_fsdp_backend.trainer.loop.loss import MicroBatchLoss, micro_batch_loss
 from ray_fsdp_backend.trainer.loop.pipeline import pipeline_loss
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
 
@@ -53,7 +54,7 @@ def train_step(
     step's labels, so the gradient is that of the mean over every valid
     token of the step whatever the layout, and an elastic resize that
     changes ``grad_accum`` does not change the weighting. ``head``: the
-    loss's output head (:func:`~ray_fsdp_backend.trainer.loop.loss.prepare_loss`;
+    loss's output head (:func:`~ray_fsdp_backend.ops.head.prepare_loss`;
     resolved from the model when not given). With ``pipeline_parallel_size
     > 1`` the micro-batches go through ``ctx.pipeline_step`` as one batch
     (:mod:`~ray_fsdp_backend.trainer.loop.pipeline`)."""

@@ -42,6 +42,7 @@ from ray_fsdp_backend.distributed.seeding import seed_step
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter, quiet_console
 from ray_fsdp_backend.models.decoder import Transformer
+from ray_fsdp_backend.ops.head import prepare_loss
 from ray_fsdp_backend.ops.quantization import keep_torchao_unimported
 from ray_fsdp_backend.planning.elastic import split_global_batch
 from ray_fsdp_backend.trainer.data.corpus import (
@@ -53,7 +54,6 @@ from ray_fsdp_backend.trainer.data.corpus import (
 )
 from ray_fsdp_backend.trainer.data.sft_batches import EVAL_DATASET, SftBatches, eval_batches
 from ray_fsdp_backend.trainer.loop.evaluation import evaluate
-from ray_fsdp_backend.trainer.loop.loss import prepare_loss
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
 from ray_fsdp_backend.trainer.loop.pipeline import pipeline_flops_per_token, pipeline_token_sum
 from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
@@ -106,7 +106,7 @@ class TrainRun:
     skipped_logged: int = 0
     board: TensorBoardWriter | None = None
     loss_head: Any = None
-    """The loss's output head (:func:`~ray_fsdp_backend.trainer.loop.loss.prepare_loss`;
+    """The loss's output head (:func:`~ray_fsdp_backend.ops.head.prepare_loss`;
     None: the full logits)."""
     router: Any = None
     """A mixture-of-experts model's :class:`RouterStats` (no hooks on a dense one)."""
