@@ -94,10 +94,9 @@ class PolicyLoss(NamedTuple):
     total: torch.Tensor
     """The loss summed as ``normalisation`` says (0-d, with gradient)."""
     count: torch.Tensor
-    """What ``total`` is to be divided by for this micro-batch alone: its
-    response tokens (``token``), responses (``sequence``) or ``responses x
-    max_tokens`` (``fixed``). Sum it over the step's micro-batches and ranks
-    for the step's mean."""
+    """What ``total`` is to be divided by for this micro-batch alone
+    (:func:`loss_count`). Sum it over the step's micro-batches and ranks for
+    the step's mean."""
     clip_fraction: torch.Tensor
     """Share of response tokens whose ratio was clipped (no gradient)."""
     kl: torch.Tensor
@@ -177,12 +176,19 @@ def policy_loss(
     was_clipped = (clipped * advantages < ratio * advantages).to(mask.dtype)
     clip_fraction = (was_clipped * mask).sum().detach() / tokens.clamp_min(1)
     masked = per_token * mask
-    responses = torch.tensor(float(mask.shape[0]), device=mask.device)
-    if normalisation == "token":
-        total, count = masked.sum(), tokens.detach()
-    elif normalisation == "sequence":
+    if normalisation == "sequence":  # each response's token mean
         total = (masked.sum(dim=1) / mask.sum(dim=1).clamp_min(1)).sum()
-        count = responses
     else:
-        total, count = masked.sum(), responses * max_tokens
-    return PolicyLoss(total, count, clip_fraction, kl)
+        total = masked.sum()
+    return PolicyLoss(total, loss_count(mask, normalisation, max_tokens), clip_fraction, kl)
+
+
+def loss_count(mask: torch.Tensor, normalisation: str, max_tokens: int | None = None):
+    """What :func:`policy_loss`'s ``total`` over responses ``mask`` is a mean
+    over (fp32, 0-d, no gradient): their tokens (``token``), their number
+    (``sequence``) or that times ``max_tokens`` (``fixed``). Known before the
+    forward, so the step's global count is one all-reduce ahead of it."""
+    if normalisation == "token":
+        return mask.sum().to(torch.float32).detach()
+    responses = torch.tensor(float(mask.shape[0]), device=mask.device)
+    return responses if normalisation == "sequence" else responses * max_tokens

@@ -294,7 +294,16 @@ class TrainContext:
         ranks' losses is that global mean (docs/long-context.md, "The loss
         rule"). The step's token count itself is this times ``dp_size x cp_size``."""
         parts = [labels] if isinstance(labels, torch.Tensor) else list(labels)
-        count = sum(count_valid_tokens(part) for part in parts).to(torch.float32)
+        return self.global_count(sum(count_valid_tokens(part) for part in parts))
+
+    def global_count(self, count: torch.Tensor) -> torch.Tensor:
+        """The divisor of a loss that is a mean over any unit of the step (a
+        token, a sequence, a preference pair): ``count``, this rank's units
+        of the step, summed over every rank and divided by the number of
+        ranks gradients are averaged over, so that ``loss_sum / divisor``
+        has the gradient of the step's mean on every layout (see
+        :meth:`global_token_count`). At least 1. One all-reduce."""
+        count = count.detach().to(torch.float32, copy=True)  # reduced in place
         if not dist.is_initialized():
             return count.clamp(min=1.0)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
