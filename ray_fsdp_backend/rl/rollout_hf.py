@@ -42,7 +42,7 @@ class HFRollout:
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.names = set(self.model.state_dict())
         self.version = 0
-        """How many weight syncs this engine has taken."""
+        """The weights' version: 0 the checkpoint's, then the trainer's sync count."""
 
     def generate(
         self,
@@ -53,9 +53,10 @@ class HFRollout:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
-    ) -> list[list[dict]]:
-        """``n`` samples for each prompt (token ids): per prompt a list of
-        ``{"token_ids": [...], "log_probs": [...], "finished": bool}``, the
+    ) -> dict:
+        """``n`` samples for each prompt (token ids): ``{"version": the
+        engine's weight version, "samples": per prompt a list of
+        {"token_ids": [...], "log_probs": [...], "finished": bool}}``, each
         response up to and including its end-of-sequence token (``finished``)
         or ``max_tokens`` long. ``temperature`` 0 is greedy (log-probs at
         temperature 1). Seeded: the same call gives the same samples."""
@@ -82,7 +83,7 @@ class HFRollout:
                 log_probs = torch.log_softmax(logits / scale, dim=-1)
                 picked = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
                 results.append([self._sample(t, p) for t, p in zip(tokens, picked, strict=True)])
-        return results
+        return {"version": self.version, "samples": results}
 
     def _sample(self, tokens: torch.Tensor, log_probs: torch.Tensor) -> dict:
         ids = tokens.tolist()
@@ -109,7 +110,10 @@ class HFRollout:
                 params[name].copy_(tensor)
         return sum(t.nbytes for _, t in bucket)
 
-    def finish_sync(self) -> int:
-        """Mark a weight sync complete; returns the engine's new version."""
-        self.version += 1
+    def finish_sync(self, version: int) -> None:
+        """Mark a weight sync complete: the engine now holds weight ``version``."""
+        self.version = version
+
+    def get_version(self) -> int:
+        """The weight version the engine holds (0: the checkpoint's)."""
         return self.version

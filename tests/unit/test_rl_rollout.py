@@ -32,7 +32,7 @@ def engine(path):
 
 def test_log_probs_are_the_sampling_distributions(engine, path):
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    out = engine.generate(PROMPTS, n=3, max_tokens=12, temperature=0.7, seed=1)
+    out = engine.generate(PROMPTS, n=3, max_tokens=12, temperature=0.7, seed=1)["samples"]
     assert [len(samples) for samples in out] == [3, 3]
     for prompt, samples in zip(PROMPTS, out, strict=True):
         for sample in samples:
@@ -48,9 +48,9 @@ def test_log_probs_are_the_sampling_distributions(engine, path):
 
 
 def test_samples_are_seeded_and_end_at_the_end_of_sequence(engine):
-    first = engine.generate(PROMPTS, n=4, max_tokens=20, seed=3)
-    assert engine.generate(PROMPTS, n=4, max_tokens=20, seed=3) == first
-    assert engine.generate(PROMPTS, n=4, max_tokens=20, seed=4) != first
+    first = engine.generate(PROMPTS, n=4, max_tokens=20, seed=3)["samples"]
+    assert engine.generate(PROMPTS, n=4, max_tokens=20, seed=3)["samples"] == first
+    assert engine.generate(PROMPTS, n=4, max_tokens=20, seed=4)["samples"] != first
     samples = [s for group in first for s in group]
     for sample in samples:
         ids = sample["token_ids"]
@@ -69,12 +69,16 @@ def test_weights_synced_in_buckets_make_it_the_synced_model(path):
     state = list(trained.state_dict().items())
     for start in range(0, len(state), 4):  # buckets of 4 tensors
         engine.load_weights(state[start : start + 4])
-    assert engine.finish_sync() == 1
+    engine.finish_sync(1)
+    assert engine.get_version() == 1
     greedy = engine.generate(PROMPTS, max_tokens=10, temperature=0)
+    assert greedy["version"] == 1
+    greedy = greedy["samples"]
     for prompt, (sample,) in zip(PROMPTS, greedy, strict=True):
         ids = torch.tensor([prompt])
         expected = trained.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=3)
-        assert sample["token_ids"] == expected[0, len(prompt) :].tolist()[: len(sample["token_ids"])]
+        response = expected[0, len(prompt) :].tolist()
+        assert sample["token_ids"] == response[: len(sample["token_ids"])]
     with pytest.raises(KeyError, match="weights this model does not have"):
         engine.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
 
