@@ -42,6 +42,8 @@ _EXPORTS = {
     "sft_dataset": "ray_fsdp_backend.sft",
     "sft_stats": "ray_fsdp_backend.sft",
     "policy_loss": "ray_fsdp_backend.rl",
+    "check_preference_source": "ray_fsdp_backend.preference.dataset",
+    "preference_dataset": "ray_fsdp_backend.preference.dataset",
 }
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "ShardingStrategy",
     "TrainContext",
     "build_strategy",
+    "check_preference_source",
     "check_sft_source",
     "dpo_loss",
     "get_context",
@@ -68,6 +71,7 @@ __all__ = [
     "load_pretrained",
     "pair_log_probs",
     "policy_loss",
+    "preference_dataset",
     "reward_loss",
     "sft_dataset",
     "sft_stats",
@@ -77,6 +81,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.checkpoint import CheckpointMismatchError
     from ray_fsdp_backend.hf import PretrainedCheckpointError, load_pretrained
     from ray_fsdp_backend.ops.loss import linear_cross_entropy, linear_token_log_probs
+    from ray_fsdp_backend.preference.dataset import check_preference_source, preference_dataset
     from ray_fsdp_backend.preference.log_probs import PairLogProbs, pair_log_probs
     from ray_fsdp_backend.preference.losses import PreferenceLoss, dpo_loss, reward_loss
     from ray_fsdp_backend.rl import grpo_advantages, policy_loss

@@ -22,7 +22,8 @@ from ray_fsdp_backend.planning.memory import (
     format_count,
 )
 from ray_fsdp_backend.planning.topology import CP_AXIS, DATA_PARALLEL_AXES, SHARD_AXIS, TP_AXIS
-from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
+from ray_fsdp_backend.trainer.schema.preference import Reference
+from ray_fsdp_backend.trainer.schema.pretrained import BASE_DTYPES, PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
 
 
@@ -212,6 +213,34 @@ def format_tp_traffic(spec: RunSpec, cp: int, tp: int, micro_batch: int) -> list
         f"{model.seq_len} tokens (estimate):",
         f"  {format_bytes(traffic.sent):>10}  per block ({kinds}: forward, {recompute}backward)",
         f"  {format_bytes(traffic.sent * model.n_layers):>10}  all {model.n_layers} blocks",
+    ]
+
+
+def format_objective(spec: RunSpec, shard_size: int) -> list[str]:
+    """``train.objective`` other than ``sft``: what it trains and the memory
+    its reference model adds per GPU (docs/preference.md)."""
+    opts = spec.train
+    if opts.objective == "sft":
+        return []
+    if opts.objective != "dpo":
+        return [f"objective: {opts.objective} on preference pairs (docs/preference.md)"]
+    dpo, model = opts.dpo, spec.model
+    head = f"objective: dpo ({dpo.loss_type}, beta {dpo.beta:g}), reference: "
+    reference = dpo.resolve_reference(getattr(model, "lora", None) is not None)
+    if reference is None:
+        return [head + "none (reference-free): no extra memory"]
+    if reference is Reference.ADAPTERS:
+        return [head + "adapters (the policy with its adapters off): no extra memory"]
+    if reference is Reference.PRECOMPUTE:
+        return [
+            head + "precompute (one forward pass over the pairs before step 1): 8 bytes a "
+            "pair on every rank (1M pairs: 7.6 MiB), kept in the checkpoint"
+        ]
+    base = model.frozen_params() if model.lora else model.num_params()
+    copy = math.ceil(base * BASE_DTYPES[model.base_dtype][1] / shard_size)
+    return [
+        head + f"frozen (a second sharded copy of the base, {format_count(base, 1)} "
+        f"{model.base_dtype}): +{format_bytes(copy)} per GPU, one more forward a micro-batch"
     ]
 
 

@@ -19,6 +19,7 @@ from ray_fsdp_backend.cli.plan_estimates import (
     format_loss_memory,
     format_memory,
     format_moe_memory,
+    format_objective,
     format_tp_traffic,
 )
 from ray_fsdp_backend.distributed.mesh import resolve_layout
@@ -153,6 +154,7 @@ def plan_for_nodes(spec: RunSpec, node_counts: Sequence[int], moe: MoEModel | No
         lines += format_memory(spec, strategy, shard, tp)
     else:
         lines += format_moe_memory(spec, moe, strategy, layout, micro)
+    lines += format_objective(spec, shard * tp)
     lines += format_activations(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
     lines += format_loss_memory(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)
     lines += format_tp_traffic(spec, layout.axis_size(CP_AXIS), layout.axis_size(TP_AXIS), micro)

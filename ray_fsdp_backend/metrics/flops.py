@@ -109,13 +109,21 @@ def throughput_metrics(
 
 
 def format_progress(m: Mapping[str, float], total_steps: int) -> str:
-    """One console line: step, loss, eval loss, grad norm, lr, throughput, MFU, step time,
-    peak memory and ETA; fields absent from ``m`` are left out."""
+    """One console line: step, loss, eval loss, a preference objective's reward
+    margin and accuracy (and their held-out values), grad norm, lr, throughput,
+    MFU, step time, peak memory and ETA; fields absent from ``m`` are left out."""
     parts = [f"step {m['step']:>{len(str(total_steps))}}/{total_steps}"]
     if "loss" in m:
         parts.append(f"loss {m['loss']:.4f}")
     if "eval_loss" in m:
         parts.append(f"eval loss {m['eval_loss']:.4f}")
+    for prefix in ("", "eval/"):  # preference objectives (docs/preference.md)
+        if f"{prefix}rewards/margins" in m:
+            label = "eval " if prefix else ""
+            parts.append(
+                f"{label}margin {m[f'{prefix}rewards/margins']:.3f} "
+                f"acc {m[f'{prefix}rewards/accuracies']:.2f}"
+            )
     if "grad_norm" in m:
         parts.append(f"grad norm {m['grad_norm']:.3f}")
     if "lr" in m:

@@ -113,6 +113,18 @@ def test_progress_line():
     assert "MFU" not in format_progress(m, total_steps=100)
 
 
+def test_progress_line_of_a_preference_objective():
+    m = {
+        "step": 7, "loss": 0.5, "eval_loss": 0.6, "rewards/margins": 1.25,
+        "rewards/accuracies": 0.875, "eval/rewards/margins": 0.5, "eval/rewards/accuracies": 0.75,
+        "tokens_per_s": 1.0, "tokens_per_s_per_rank": 1.0, "step_time_s": 0.1, "eta_s": 1.0,
+    }  # fmt: skip
+    assert format_progress(m, total_steps=10).startswith(
+        "step  7/10 | loss 0.5000 | eval loss 0.6000 | margin 1.250 acc 0.88 | "
+        "eval margin 0.500 acc 0.75 | "
+    )
+
+
 def test_step_meter_in_one_process():
     meter = StepMeter(
         device=torch.device("cpu"), flops_per_token=100.0, peak_flops=1e6, total_steps=10,

@@ -51,12 +51,13 @@ def build_sft_datasets(spec, small_bytes: int = SMALL_DATASET_BYTES) -> dict[str
     tokenizer = load_tokenizer(spec.model.pretrained)
     options = sft_options(data, spec.model.seq_len)
     split = split_options(data, seed)
-    train = rfb.sft_dataset(data.path, tokenizer, **split, **options)
+    rows = rfb.preference_dataset if data.format == "preference" else rfb.sft_dataset
+    train = rows(data.path, tokenizer, **split, **options)
     held_out = None
     if data.eval_path is not None:
-        held_out = rfb.sft_dataset(data.eval_path, tokenizer, **options)
+        held_out = rows(data.eval_path, tokenizer, **options)
     elif data.eval_fraction is not None:
-        held_out = rfb.sft_dataset(data.path, tokenizer, split="eval", **split, **options)
+        held_out = rows(data.path, tokenizer, split="eval", **split, **options)
     train = train.random_shuffle(seed=seed)
     if records_bytes(data.path) <= small_bytes:
         train = train.materialize()

@@ -29,11 +29,18 @@ def to_micro_batch(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     predicts nothing), as :class:`~ray_fsdp_backend.trainer.data.corpus.PackedBatches`
     gives them."""
     positions = rows["position_ids"].long()
-    return {
+    batch = {
         "input_ids": rows["input_ids"].long(),
         "targets": shift_labels(rows["labels"].long(), positions),
         "position_ids": positions,
     }
+    # Preference rows (rfb.preference_dataset): each token's pair, unshifted.
+    batch |= {key: rows[key].long() for key in PAIR_COLUMNS if key in rows}
+    return batch
+
+
+PAIR_COLUMNS = ("sequence_ids", "pair_index")
+"""The columns preference rows add (-1 on padding); passed through as they are."""
 
 
 SHUFFLE_BUFFER_TOKENS = 2**22
@@ -105,5 +112,9 @@ def pad_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tenso
         "input_ids": torch.zeros(missing, seq, dtype=torch.long, device=device),
         "targets": torch.full((missing, seq), IGNORE_INDEX, dtype=torch.long, device=device),
         "position_ids": torch.arange(seq, device=device).expand(missing, seq),
+        **{
+            key: torch.full((missing, seq), -1, dtype=torch.long, device=device)
+            for key in PAIR_COLUMNS
+        },
     }
     return {k: torch.cat([batch[k], fill[k]]) for k in batch}

@@ -16,11 +16,12 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ray_fsdp_backend.distributed.step_guard import step_if_finite
 from ray_fsdp_backend.ops.head import prepare_loss
-from ray_fsdp_backend.trainer.loop.loss import MicroBatchLoss, micro_batch_loss
+from ray_fsdp_backend.trainer.loop.dpo import DPOObjective
+from ray_fsdp_backend.trainer.loop.loss import MicroBatchLoss
+from ray_fsdp_backend.trainer.loop.objectives import Objective, local_value
 from ray_fsdp_backend.trainer.loop.pipeline import pipeline_loss
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
 
@@ -39,10 +40,20 @@ class StepResult(NamedTuple):
     """A mixture-of-experts model's auxiliary load-balancing loss (its
     output's ``aux_loss``, with ``output_router_logits``), this rank's mean
     over the micro-batches; logged, not added to the loss (docs/moe.md)."""
+    stats: dict[str, torch.Tensor] | None = None
+    """The objective's step metrics (``rewards/chosen``, ...), this rank's
+    share as ``loss`` is: averaged over the ranks, the mean over the step's pairs."""
 
 
 def train_step(
-    ctx, model: nn.Module, optimizer, batches, spec: RunSpec, meter=None, head=...
+    ctx,
+    model: nn.Module,
+    optimizer,
+    batches,
+    spec: RunSpec,
+    meter=None,
+    head=...,
+    objective: Objective | None = None,
 ) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches, with no host
     synchronisation: a step whose gradient norm is not finite is skipped on
@@ -57,9 +68,12 @@ def train_step(
     loss's output head (:func:`~ray_fsdp_backend.ops.head.prepare_loss`;
     resolved from the model when not given). With ``pipeline_parallel_size
     > 1`` the micro-batches go through ``ctx.pipeline_step`` as one batch
-    (:mod:`~ray_fsdp_backend.trainer.loop.pipeline`)."""
-    if ctx.pp_size == 1 and head is ...:
-        head = prepare_loss(model, spec.train.loss_chunk_tokens)
+    (:mod:`~ray_fsdp_backend.trainer.loop.pipeline`). ``objective``: what
+    each micro-batch's loss is (:func:`build_objective`,
+    chosen once per run; built from ``spec`` when not given): the step
+    divides its sums by its count (tokens, or pairs for ``dpo``)."""
+    if ctx.pp_size == 1 and objective is None:
+        objective = build_objective(ctx, model, spec, head)
     micro_batches = [
         ctx.shard_sequence(as_batch(batches.next_batch(), ctx.device))
         for _ in range(spec.train.grad_accum)
@@ -67,36 +81,42 @@ def train_step(
     if meter is not None and ctx.tp_rank == 0 and ctx.pp_rank == 0:
         # a tp group (and a pipeline) trains one copy of the rows
         meter.count_tokens(sum(batch["input_ids"].numel() for batch in micro_batches))
+    stats = None
     if ctx.pp_size > 1:
         total, aux_total = pipeline_loss(ctx, model, micro_batches, spec.data.packing), None
     else:
-        total, aux_total = accumulate(ctx, model, micro_batches, spec, head)
+        total, aux_total, stats = accumulate(ctx, model, micro_batches, objective)
     # max_grad_norm 0 (or null): no clipping, the norm is still measured.
     grad_norm = ctx.clip_grad_norm(model, spec.train.max_grad_norm or None, optimizer=optimizer)
     # Every rank sees the same global norm, so all skip together.
     skipped = step_if_finite(optimizer, grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, grad_norm, skipped, aux_total)
+    return StepResult(total, grad_norm, skipped, aux_total, stats)
 
 
-def accumulate(ctx, model: nn.Module, micro_batches: list[dict], spec: RunSpec, head):
+def accumulate(ctx, model: nn.Module, micro_batches: list[dict], objective: Objective):
     """Forward and backward of each micro-batch (gradients synced on the
-    last only); returns the step's loss share and mean aux loss (or None)."""
+    last only); returns the step's loss share, mean aux loss (or None) and
+    the objective's metric shares (or None)."""
     accum = len(micro_batches)
-    count = ctx.global_token_count([batch["targets"] for batch in micro_batches])
+    count = objective.count(ctx, micro_batches)
     total = torch.zeros((), device=ctx.device)
-    aux_total = None
+    aux_total, stats = None, None
     for micro, batch in enumerate(micro_batches):
         # Gradients sync only on the last micro-batch: one all-reduce per step.
         sync = contextlib.nullcontext() if micro == accum - 1 else ctx.no_sync(model)
         with sync, ctx.sequence_region(), ctx.loss_parallel():
-            token_sum, aux = batch_loss(ctx, model, batch, spec, head)
-            loss = token_sum / count
+            result = objective.micro_batch(ctx, model, batch)
+            loss = result.total / count
             loss.backward()
         total += local_value(loss.detach())
-        if aux is not None:
-            aux_total = aux.detach() / accum + (0 if aux_total is None else aux_total)
-    return total, aux_total
+        if result.aux_loss is not None:
+            aux = result.aux_loss.detach() / accum
+            aux_total = aux + (0 if aux_total is None else aux_total)
+        if result.stats is not None:
+            shares = {k: local_value(v.detach()) / count for k, v in result.stats.items()}
+            stats = shares if stats is None else {k: stats[k] + shares[k] for k in stats}
+    return total, aux_total, stats
 
 
 def batch_loss(ctx, model: nn.Module, batch: dict, spec: RunSpec, head=...) -> MicroBatchLoss:
@@ -105,24 +125,21 @@ def batch_loss(ctx, model: nn.Module, batch: dict, spec: RunSpec, head=...) -> M
     ``targets``, -100 none), computed chunk by chunk without the whole logits
     (``train.loss_chunk_tokens``; 0: the full logits), and an MoE's aux loss.
     Divide by ``ctx.global_token_count`` of the step's targets for the mean."""
-    chunk = spec.train.loss_chunk_tokens
     if head is ...:
-        head = prepare_loss(model, chunk)
-    return micro_batch_loss(
-        model,
-        batch["input_ids"],
-        batch["targets"],
-        position_ids=model_positions(ctx, spec, batch),
-        head=head,
-        chunk_tokens=chunk,
-        compile=spec.distributed.compiles_on(ctx.device.type),
-    )
+        head = prepare_loss(model, spec.train.loss_chunk_tokens)
+    token_sum, aux = Objective(spec, head).micro_batch(ctx, model, batch)[:2]
+    return MicroBatchLoss(token_sum, aux)
 
 
-def local_value(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor of ``value``: under ``loss_parallel`` the loss is a
-    DTensor replicated over the tp group, which a plain tensor cannot add."""
-    return value.to_local() if isinstance(value, DTensor) else value
+def build_objective(ctx, model: nn.Module, spec: RunSpec, head=...) -> Objective:
+    """The run's objective, chosen once from ``train.objective``. ``head``:
+    :func:`~ray_fsdp_backend.trainer.loop.loss.prepare_loss`'s result
+    (resolved from the model when not given)."""
+    if head is ...:
+        head = prepare_loss(model, spec.train.loss_chunk_tokens)
+    if spec.train.objective == "dpo":
+        return DPOObjective(ctx, model, spec, head)
+    return Objective(spec, head)
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -131,16 +148,6 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and not batch.is_pinned():
         batch = batch.pin_memory()
     return batch.to(device, non_blocking=True)
-
-
-def model_positions(ctx, spec: RunSpec, batch: dict) -> torch.Tensor | None:
-    """The ``position_ids`` the model needs: packed rows' (document masks)
-    and a cp shard's (its offsets); None for whole unpacked rows, whose
-    attention then takes the causal kernel without inspecting the positions
-    on the host (that check, per layer, would sync every step)."""
-    if spec.data.packing or ctx.cp_size > 1:
-        return batch["position_ids"]
-    return None
 
 
 def as_batch(batch, device: torch.device) -> dict[str, torch.Tensor]:

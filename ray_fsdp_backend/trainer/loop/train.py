@@ -52,7 +52,12 @@ from ray_fsdp_backend.trainer.data.corpus import (
     load_corpus,
     tokenize_corpus,
 )
-from ray_fsdp_backend.trainer.data.sft_batches import EVAL_DATASET, SftBatches, eval_batches
+from ray_fsdp_backend.trainer.data.sft_batches import (
+    EVAL_DATASET,
+    SftBatches,
+    eval_batches,
+    to_micro_batch,
+)
 from ray_fsdp_backend.trainer.loop.evaluation import evaluate
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
 from ray_fsdp_backend.trainer.loop.pipeline import pipeline_flops_per_token, pipeline_token_sum
@@ -61,6 +66,7 @@ from ray_fsdp_backend.trainer.loop.step import (
     StepResult,
     as_batch,
     batch_loss,
+    build_objective,
     local_value,
     train_step,
 )
@@ -112,6 +118,9 @@ class TrainRun:
     """A mixture-of-experts model's :class:`RouterStats` (no hooks on a dense one)."""
     held_out: Any = None
     """The held-out dataset (``data.eval_path`` / ``eval_fraction``), whole on every rank."""
+    objective: Any = None
+    """What each micro-batch's loss is (``train.objective``;
+    :func:`~ray_fsdp_backend.trainer.loop.objectives.build_objective`), None under pp."""
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -135,16 +144,16 @@ def run_training(
     for step in range(run.start_step + 1, spec.train.steps + 1):
         seed_step(ctx, spec.train.seed, step)
         result = train_step(
-            ctx, run.model, run.optimizer, run.batches, spec, run.meter, run.loss_head
+            ctx, run.model, run.optimizer, run.batches, spec, run.meter, objective=run.objective
         )
         run.skipped += result.skipped
         run.schedule.step()
-        eval_loss = None
+        held_out = None
         if run.held_out is not None and is_eval_step(step, spec.train):
-            eval_loss = held_out_loss(ctx, run.model, spec, run.held_out, run.loss_head)
-        logged = is_logged(step, run.start_step, spec.train) or eval_loss is not None
+            held_out = held_out_metrics(ctx, spec, run)
+        logged = is_logged(step, run.start_step, spec.train) or held_out is not None
         if logged or run.checkpoints.due(step):
-            log_step(ctx, spec, run, step, result, eval_loss)
+            log_step(ctx, spec, run, step, result, held_out)
         if on_step is not None:
             on_step(step)
     if run.board is not None:
@@ -177,7 +186,13 @@ def setup_run(
     checkpoints = CheckpointHooks(
         ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async, report=report
     )
+    loss_head = None if ctx.pp_size > 1 else prepare_loss(model, opts.loss_chunk_tokens)
+    objective = None if ctx.pp_size > 1 else build_objective(ctx, model, spec, loss_head)
     extra = checkpoints.restore(model, optimizer, schedule, batches) if resume else {}
+    held_out = ray.train.get_dataset_shard(EVAL_DATASET) if spec.data.has_eval else None
+    if objective is not None:
+        objective.load_state_dict(extra.get("objective", {}))
+        objective.before_training(ctx, model, *precompute_rows(ctx, spec, held_out))
     start_step, skipped = int(extra.get("step", 0)), int(extra.get("skipped_steps", 0))
     tokens_per_step = opts.micro_batch_size * opts.grad_accum * spec.model.seq_len * ctx.dp_size
     meter = ctx.step_meter(
@@ -206,10 +221,30 @@ def setup_run(
         skipped_logged=skipped,
         board=board,
         router=ctx.router_stats(model),
-        held_out=ray.train.get_dataset_shard(EVAL_DATASET) if spec.data.has_eval else None,
+        held_out=held_out,
         # Under pp the last stage's output is the logits (trainer/pipeline.py).
-        loss_head=None if ctx.pp_size > 1 else prepare_loss(model, opts.loss_chunk_tokens),
+        loss_head=loss_head,
+        objective=objective,
     )
+
+
+def precompute_rows(ctx, spec: RunSpec, held_out) -> tuple:
+    """Callables giving this rank's training rows (one pass over its shard)
+    and its share of the held-out rows as micro-batches (None: no held-out
+    set), read only by an objective that needs them before the first step
+    (``dpo``'s ``reference: precompute``)."""
+    micro = spec.train.micro_batch_size
+
+    def train_rows():
+        shard = ray.train.get_dataset_shard("train")
+        rows = shard.iter_torch_batches(batch_size=micro, drop_last=False)
+        return (to_micro_batch(batch) for batch in rows)
+
+    def held_out_rows():
+        rows = held_out.iter_torch_batches(batch_size=micro * ctx.dp_size, drop_last=False)
+        return eval_batches(rows, micro, ctx.dp_rank, ctx.dp_size)
+
+    return train_rows, None if held_out is None else held_out_rows
 
 
 def is_logged(step: int, start_step: int, opts: TrainOptions) -> bool:
@@ -222,6 +257,16 @@ def is_eval_step(step: int, opts: TrainOptions) -> bool:
     """Whether the held-out loss is measured after ``step``: every
     ``eval_every`` steps (0: never) and after the last."""
     return step == opts.steps or (opts.eval_every > 0 and step % opts.eval_every == 0)
+
+
+def held_out_metrics(ctx, spec: RunSpec, run: TrainRun) -> dict[str, float]:
+    """The held-out metrics: ``eval_loss`` (and the objective's ``eval/...``)."""
+    if spec.train.objective == "sft" or ctx.pp_size > 1:
+        return {"eval_loss": held_out_loss(ctx, run.model, spec, run.held_out, run.loss_head)}
+    micro = spec.train.micro_batch_size
+    rows = run.held_out.iter_torch_batches(batch_size=micro * ctx.dp_size, drop_last=False)
+    batches = eval_batches(rows, micro, ctx.dp_rank, ctx.dp_size)
+    return run.objective.evaluate(ctx, run.model, (as_batch(b, ctx.device) for b in batches))
 
 
 def held_out_loss(ctx, model: nn.Module, spec: RunSpec, dataset, head=...) -> float:
@@ -243,13 +288,13 @@ def held_out_loss(ctx, model: nn.Module, spec: RunSpec, dataset, head=...) -> fl
 
 
 def log_step(
-    ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult, eval_loss=None
+    ctx, spec: RunSpec, run: TrainRun, step: int, result: StepResult, held_out=None
 ) -> dict:
     """Report ``step``'s metrics (and save a checkpoint when one is due),
-    with the held-out loss when measured at this step. Collective: every
+    with the held-out metrics when measured at this step. Collective: every
     rank reaches it at the same steps. The step's device scalars cross to
     the host here, in one copy (``StepMeter.measure``)."""
-    mean = {"loss": result.loss}
+    mean = {"loss": result.loss, **(result.stats or {})}
     if result.aux_loss is not None:  # transformers' load-balancing loss, averaged over ranks
         mean["aux_loss"] = result.aux_loss
     metrics = {
@@ -258,7 +303,7 @@ def log_step(
             step, mean=mean, same={"grad_norm": result.grad_norm, "skipped_steps": run.skipped}
         ),
         **run.router.collect(),  # per-layer expert load over the global batch (docs/moe.md)
-        **({} if eval_loss is None else {"eval_loss": eval_loss}),
+        **(held_out or {}),
         "lr": run.schedule.get_last_lr()[0],
         "data_position": run.batches.position,
         "world_size": ctx.world_size,
@@ -282,6 +327,7 @@ def log_step(
         "data": run.batches.state_dict(),
         "schedule": run.schedule.state_dict(),
         "skipped_steps": skipped,
+        **({} if run.objective is None else {"objective": run.objective.state_dict()}),
     }
     run.checkpoints.report(step, run.model, run.optimizer, metrics, extra_state)
     return metrics

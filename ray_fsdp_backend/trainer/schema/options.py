@@ -15,12 +15,14 @@ from typing import Any
 from ray_fsdp_backend.planning.elastic import worker_range
 from ray_fsdp_backend.planning.memory import DEFAULT_CHUNK_TOKENS
 from ray_fsdp_backend.settings.config import unknown_key_message
+from ray_fsdp_backend.trainer.schema.preference import OBJECTIVES, DPOOptions
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")
-DATA_FORMATS = ("text", "chat", "prompt_completion", "sharegpt", "alpaca")
-SFT_FORMATS = ("chat", "prompt_completion", "sharegpt", "alpaca")
-"""The formats ``rfb.sft_dataset`` reads (records of a JSONL / parquet dataset)."""
+DATA_FORMATS = ("text", "chat", "prompt_completion", "sharegpt", "alpaca", "preference")
+SFT_FORMATS = ("chat", "prompt_completion", "sharegpt", "alpaca", "preference")
+"""The formats of records in a JSONL / parquet dataset, checked on the driver:
+``rfb.sft_dataset`` reads them, ``rfb.preference_dataset`` reads ``preference``."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,13 @@ class TrainOptions:
     """Tokens per chunk of the cross-entropy, which then never holds the whole
     ``[tokens, vocab]`` logits (``rfb.linear_cross_entropy``; docs/parallelism.md);
     0: ``F.cross_entropy`` on the full fp32 logits."""
+    objective: str = "sft"
+    """``sft``: next-token cross-entropy. ``dpo`` (``train.dpo``) or
+    ``reward`` (a Bradley-Terry reward model): preference pairs of
+    ``data.format: preference`` (docs/preference.md)."""
+    dpo: DPOOptions = DPOOptions()
+    """``objective: dpo``: the loss type, ``beta``, the reference model
+    (:class:`~ray_fsdp_backend.trainer.schema.preference.DPOOptions`)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,13 @@ class DataOptions:
     """``format: prompt_completion``: the prompt's field."""
     completion_field: str = "completion"
     """``format: prompt_completion``: the completion's field."""
+    chosen_field: str = "chosen"
+    """``format: preference``: the preferred response's field (text or messages)."""
+    rejected_field: str = "rejected"
+    """``format: preference``: the dispreferred response's field. A preference
+    record is ``{prompt, chosen, rejected}`` (``prompt_field``; without it
+    the prompt is the responses' shared prefix), each text or chat messages
+    (docs/preference.md)."""
     train_on_prompt: bool = False
     """``chat`` / ``prompt_completion``: False puts the loss on the assistant
     turns (or the completion) only; True on every token."""
@@ -209,11 +225,13 @@ _CHOICES = {
     "checkpoint_async": (True, False),
     "placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "verbose": (True, False),
+    "objective": OBJECTIVES,
 }
 _FLOATS = {"lr", "min_lr_ratio", "weight_decay", "max_grad_norm"}
 _OPTIONAL_POSITIVE = {"adamw_lr", "global_batch_size", "elastic_resize_monitor_interval_s"}
 _OPTIONAL_STRS = {"path", "name", "storage_path", "tensorboard", "eval_path"}
 _FIELD_NAMES = {"prompt_field", "completion_field", "tools_field"}
+_FIELD_NAMES |= {"chosen_field", "rejected_field"}
 _BOOLS = {"train_on_prompt", "packing"}  # not in _CHOICES: 1 == True there
 
 
@@ -224,7 +242,10 @@ def _build_options(cls: type, section: str, values: Mapping[str, Any]) -> Any:
         raise ValueError("; ".join(unknown_key_message(k, known, section) for k in unknown))
     for key, value in values.items():
         _check_option(key, value)
-    return cls(**dict(values))
+    values = dict(values)
+    if "dpo" in values:  # a nested section: its own checks name dpo.<key>
+        values["dpo"] = DPOOptions.from_dict(values["dpo"])
+    return cls(**values)
 
 
 def _check_option(key: str, value: Any) -> None:

@@ -18,6 +18,7 @@ from ray_fsdp_backend.planning.elastic import (
     worker_range,
 )
 from ray_fsdp_backend.trainer.schema.options import DataOptions, ScalingOptions, TrainOptions
+from ray_fsdp_backend.trainer.schema.preference import preference_errors
 from ray_fsdp_backend.trainer.schema.preflight import storage_errors
 from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
 
@@ -53,6 +54,7 @@ def cross_section_errors(built: Mapping[str, Any]) -> list[str]:
         errors += storage_errors(built["run"].storage_path)
     if data is not None:
         errors += data_errors(data, model, train)
+    errors += preference_errors(train, data, model, dist)
     return errors
 
 

@@ -14,7 +14,10 @@ from ray_fsdp_backend.planning.elastic import split_global_batch, worker_range
 
 def sft_options(data, seq_len: int) -> dict[str, Any]:
     """``rfb.sft_dataset``'s keyword arguments from the ``data:`` section
-    (the held-out split's are :func:`split_options`)."""
+    (the held-out split's are :func:`split_options`); ``rfb.preference_dataset``'s
+    under ``format: preference``."""
+    if data.format == "preference":
+        return preference_options(data, seq_len)
     return dict(
         format=data.format,
         seq_len=seq_len,
@@ -23,6 +26,21 @@ def sft_options(data, seq_len: int) -> dict[str, Any]:
         messages_field=data.messages_field,
         prompt_field=data.prompt_field,
         completion_field=data.completion_field,
+        tools_field=data.tools_field,
+        roles=data.roles,
+        chat_template=data.chat_template,
+        chat_template_kwargs=data.chat_template_kwargs,
+    )
+
+
+def preference_options(data, seq_len: int) -> dict[str, Any]:
+    """``rfb.preference_dataset``'s keyword arguments from the ``data:`` section."""
+    return dict(
+        seq_len=seq_len,
+        packing=data.packing,
+        prompt_field=data.prompt_field,
+        chosen_field=data.chosen_field,
+        rejected_field=data.rejected_field,
         tools_field=data.tools_field,
         roles=data.roles,
         chat_template=data.chat_template,
@@ -43,6 +61,7 @@ def sft_input_errors(data, model, train=None, scaling=None, group: int = 1) -> l
     rows than one micro-batch, or an empty held-out set. ``group``: the ranks
     of one tp x cp x pp group (they share a dp rank's rows)."""
     from ray_fsdp_backend.hf.metadata import load_tokenizer
+    from ray_fsdp_backend.preference.dataset import check_preference_source
     from ray_fsdp_backend.sft import check_sft_source
 
     try:
@@ -54,10 +73,11 @@ def sft_input_errors(data, model, train=None, scaling=None, group: int = 1) -> l
     checks = {"data.path": (data.path, split_options(data, seed))}
     if data.eval_path is not None:
         checks["data.eval_path"] = (data.eval_path, {})
+    check = check_preference_source if data.format == "preference" else check_sft_source
     errors, rows = [], {}
     for key, (path, split) in checks.items():
         try:
-            counts = check_sft_source(path, tokenizer, **split, **options).counts
+            counts = check(path, tokenizer, **split, **options).counts
         except (OSError, ValueError) as exc:  # SFTDataError is a ValueError
             errors.append(f"{key}={path!r}: {exc}")
             continue
