@@ -43,12 +43,12 @@ from ray_fsdp_backend.hf.writer import (
     barrier,
     export_dtype,
     file_header,
-    parse_size,
     tag_names,
     write_bytes,
     write_files,
 )
 from ray_fsdp_backend.ops.quantization import dequantize_state
+from ray_fsdp_backend.settings.checks import parse_size
 from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 Exporter = Callable[..., None]

@@ -25,7 +25,8 @@ from torch import nn
 from ray_fsdp_backend.compat.peft import unwrap
 from ray_fsdp_backend.distributed.collectives import full_tensor
 from ray_fsdp_backend.hf.export import default_export_dtype, export_state
-from ray_fsdp_backend.hf.writer import export_dtype, parse_size
+from ray_fsdp_backend.hf.writer import export_dtype
+from ray_fsdp_backend.settings.checks import parse_size
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 

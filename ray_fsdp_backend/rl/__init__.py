@@ -1,23 +1,30 @@
-"""Online RL on one Ray cluster: the policy trainer's losses (GRPO, PPO-clip,
-the KL to a reference, truncated importance sampling).
+"""Online RL on one Ray cluster: the policy trainer's side of a GRPO / PPO loop.
 
-:mod:`.losses` holds the objectives, each written once on per-token tensors
-(docs/rl.md)."""
+- :mod:`.losses`: GRPO's advantages, the KL estimators, the clipped policy
+  loss with truncated importance sampling, each written once.
+- :mod:`.grpo`: rollout samples as the trainer's rows, and one policy update
+  on any layout (``ctx.sequence_log_probs``; the reference as disabled adapters).
+- :mod:`.prompts`: prompt records checked and rendered (the data door's templates).
+- :mod:`.rewards`: ``module:function`` rewards run in Ray tasks.
+- :mod:`.rollout_hf`, :mod:`.rollout_vllm`: the rollout engines (Ray actors
+  that import nothing of this package); :mod:`.fleet`: sampling across them
+  and the weight sync from ``ctx.stream_weights``.
 
-from ray_fsdp_backend.rl.losses import (
-    KL_ESTIMATORS,
-    NORMALISATIONS,
-    PolicyLoss,
-    grpo_advantages,
-    kl_penalty,
-    policy_loss,
-)
+docs/rl.md has the loop and the engine contract verl / NeMo-RL adapters map to.
+"""
 
-__all__ = [
-    "KL_ESTIMATORS",
-    "NORMALISATIONS",
-    "PolicyLoss",
-    "grpo_advantages",
-    "kl_penalty",
-    "policy_loss",
-]
+from ray_fsdp_backend.compat.optional_imports import lazy_exports
+
+_EXPORTS = {
+    "PolicyLoss": "losses",
+    "grpo_advantages": "losses",
+    "kl_penalty": "losses",
+    "loss_count": "losses",
+    "policy_loss": "losses",
+    "policy_update": "grpo",
+    "rollout_rows": "grpo",
+    "RolloutFleet": "fleet",
+    "sync_weights": "fleet",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)  # prompts and the schema import no torch

@@ -27,7 +27,6 @@ disabled adapters) is this module plus ``ctx.sequence_log_probs``,
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,26 +36,7 @@ from ray_fsdp_backend.compat.peft import is_peft_model, unwrap
 from ray_fsdp_backend.context_parallel.sequence import IGNORE_INDEX
 from ray_fsdp_backend.distributed.step_guard import step_if_finite
 from ray_fsdp_backend.rl.losses import grpo_advantages, loss_count, policy_loss
-
-
-@dataclass(frozen=True)
-class PolicyOptions:
-    """The policy loss's settings (``train.grpo`` in YAML)."""
-
-    group_size: int = 8
-    """Responses sampled per prompt (GRPO's G)."""
-    scale_advantages: bool = True
-    """Divide by the group's reward std (False: Dr. GRPO)."""
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    """DAPO's clip-higher (None: ``clip_low``)."""
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    normalisation: str = "token"
-    tis_cap: float | None = 2.0
-    """Truncated importance sampling of the trainer/rollout mismatch (None: off)."""
-    updates: int = 1
-    """Optimizer steps per rollout batch (PPO epochs); each uses all rows."""
+from ray_fsdp_backend.settings.policy import PolicyOptions
 
 
 def rollout_rows(

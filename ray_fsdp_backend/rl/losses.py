@@ -37,8 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-NORMALISATIONS = ("token", "sequence", "fixed")
+from ray_fsdp_backend.settings.policy import KL_ESTIMATORS, NORMALISATIONS
 
 
 def grpo_advantages(

@@ -9,6 +9,8 @@ A training config has these top-level sections::
     scaling:       ScalingOptions fields (workers, GPUs, resources)
     run:           RunOptions fields (name, storage_path, max_failures)
     logging:       LoggingOptions fields (tensorboard, verbose)
+    rollout:       RolloutOptions fields (train.objective: grpo; ray_fsdp_backend.trainer.schema.rl)
+    reward:        module:function, or RewardOptions fields (train.objective: grpo)
 
 :func:`check_spec` returns *every* problem as a list of messages (what
 ``ray-fsdp validate`` prints); :func:`build_spec` returns the typed
@@ -42,6 +44,15 @@ from ray_fsdp_backend.trainer.schema.options import (
     options_builder,
 )
 from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig, build_model_section
+from ray_fsdp_backend.trainer.schema.rl import (
+    PROMPTS_FORMAT,
+    RewardOptions,
+    RolloutOptions,
+    build_reward,
+    build_rollout,
+    normalise_reward,
+    prompt_input_errors,
+)
 from ray_fsdp_backend.trainer.schema.rules import (
     cross_section_errors,
     data_errors,
@@ -86,6 +97,8 @@ class RunSpec:
     scaling: ScalingOptions
     run: RunOptions
     logging: LoggingOptions
+    rollout: RolloutOptions = RolloutOptions()
+    reward: RewardOptions = RewardOptions()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
     """The document after overrides: what the workers receive."""
 
@@ -124,7 +137,10 @@ def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
 
 # -- checking --------------------------------------------------------------
 
-_SECTIONS = ("distributed", "model", "train", "data", "scaling", "run", "logging")  # = _BUILDERS
+_SECTIONS = (
+    *("distributed", "model", "train", "data", "scaling", "run", "logging"),
+    *("rollout", "reward"),
+)  # = _BUILDERS
 
 
 def check_spec(doc: Mapping[str, Any]) -> list[str]:
@@ -133,6 +149,7 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
     Rules that span sections (``optimizer`` against ``use_dmuon``) are checked
     whenever the sections they involve are valid on their own.
     """
+    doc = normalise_reward(doc)
     errors = [
         f"unknown section {key!r}; sections are {', '.join(_SECTIONS)}"
         for key in doc
@@ -157,6 +174,8 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
 
         group = model_group(built.get("distributed"))
         errors += sft_input_errors(data, built["model"], built["train"], built["scaling"], group)
+    if not errors and data is not None and data.format == PROMPTS_FORMAT:
+        errors += prompt_input_errors(data, built["model"], built["rollout"])
     return errors
 
 
@@ -182,6 +201,8 @@ def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunSpec
 
 
 def _build(doc: Mapping[str, Any], torch_config: bool) -> RunSpec:
+    doc = normalise_reward(doc)
+
     def section(name: str) -> Mapping[str, Any]:
         return doc.get(name) or {}
 
@@ -245,5 +266,7 @@ _BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
     "scaling": (ScalingOptions, options_builder(ScalingOptions, "scaling")),
     "run": (RunOptions, options_builder(RunOptions, "run")),
     "logging": (LoggingOptions, options_builder(LoggingOptions, "logging")),
+    "rollout": (RolloutOptions, build_rollout),
+    "reward": (RewardOptions, build_reward),
 }
 """Each section's dataclass and the function that builds it from a mapping."""
