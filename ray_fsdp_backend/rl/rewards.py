@@ -48,7 +48,11 @@ def call_reward(
 
     Raises:
         ValueError: the function returned something else (named)."""
-    rewards = load_reward(entry)(prompts=list(prompts), completions=list(completions), **fields)
+    fn = load_reward(entry)
+    try:
+        rewards = fn(prompts=list(prompts), completions=list(completions), **fields)
+    except Exception as exc:
+        raise ValueError(f"reward {entry} raised {type(exc).__name__}: {exc}") from exc
     try:
         values = [float(r) for r in rewards]
     except (TypeError, ValueError):

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ray_fsdp_backend import FSDPSettings, load_pretrained
 from ray_fsdp_backend.hf.models import build_causal_lm
 from ray_fsdp_backend.rl.grpo import dp_share, policy_update, rollout_rows
-from ray_fsdp_backend.settings.policy import PolicyOptions
 from ray_fsdp_backend.runtime.worker import setup_process_context
+from ray_fsdp_backend.settings.policy import PolicyOptions
 from tests.dist.harness import run_ranks
 from tests.hf_models import VOCAB, save_tiny_pretrained
 from tests.unit.test_rl_losses import trl_reference

@@ -249,13 +249,23 @@ def start_engines(spec: RunSpec) -> list:
     rollout = spec.rollout
     options = dict(num_cpus=rollout.num_cpus, num_gpus=rollout.num_gpus, max_restarts=-1)
     if rollout.engine == "vllm":
-        from ray_fsdp_backend.rl.rollout_vllm import VLLMRollout as engine_class
-
-        if rollout.python is not None:
-            options["runtime_env"] = {"py_executable": rollout.python}
+        from ray_fsdp_backend.rl import rollout_vllm as module
     else:
-        from ray_fsdp_backend.rl.rollout_hf import HFRollout as engine_class
+        from ray_fsdp_backend.rl import rollout_hf as module
+    if rollout.python is not None:
+        options["runtime_env"] = engine_environment(module, rollout.python)
+    engine_class = module.VLLMRollout if rollout.engine == "vllm" else module.HFRollout
     engine = ray.remote(engine_class).options(**options)
     return [
         engine.remote(spec.model.pretrained, dtype=rollout.dtype) for _ in range(rollout.replicas)
     ]
+
+
+def engine_environment(module, python: str) -> dict:
+    """The runtime environment of an engine actor in another Python
+    environment: its interpreter, and the engine's module sent by value
+    (it imports nothing of this package, which need not be installed there)."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+    return {"py_executable": python}
