@@ -27,6 +27,7 @@ schedule, step and prompt position, and syncs before its first rollout.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -247,7 +248,12 @@ def start_engines(spec: RunSpec) -> list:
     import ray
 
     rollout = spec.rollout
-    options = dict(num_cpus=rollout.num_cpus, num_gpus=rollout.num_gpus, max_restarts=-1)
+    # Restarted after a crash, its calls in flight retried (each is idempotent:
+    # a seeded generate, a bucket load); a restarted engine holds the
+    # checkpoint's weights, which its version tells the loop.
+    options = dict(
+        num_cpus=rollout.num_cpus, num_gpus=rollout.num_gpus, max_restarts=-1, max_task_retries=-1
+    )
     if rollout.engine == "vllm":
         from ray_fsdp_backend.rl import rollout_vllm as module
     else:
@@ -255,9 +261,13 @@ def start_engines(spec: RunSpec) -> list:
     if rollout.python is not None:
         options["runtime_env"] = engine_environment(module, rollout.python)
     engine_class = module.VLLMRollout if rollout.engine == "vllm" else module.HFRollout
-    engine = ray.remote(engine_class).options(**options)
+    engine = ray.remote(engine_class)
+    run = uuid.uuid4().hex[:8]
     return [
-        engine.remote(spec.model.pretrained, dtype=rollout.dtype) for _ in range(rollout.replicas)
+        engine.options(name=f"rfb-rollout-{run}-{i}", **options).remote(
+            spec.model.pretrained, dtype=rollout.dtype
+        )
+        for i in range(rollout.replicas)
     ]
 
 
