@@ -25,8 +25,13 @@ from __future__ import annotations
 import os
 
 
-def _reload(worker, weights) -> None:
-    """Run in vLLM's worker: load HF-named tensors into its model in place."""
+def _reload(worker, blob: bytes) -> None:
+    """Run in vLLM's worker: load pickled ``[(hf_name, tensor), ...]`` into
+    its model in place. Pickled: vLLM's msgpack would hand an untyped
+    argument's tensors over as plain ``[dtype, shape, data]`` lists."""
+    import pickle
+
+    weights = pickle.loads(blob)
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 
@@ -104,7 +109,9 @@ class VLLMRollout:
 
     def load_weights(self, bucket: list) -> int:
         """Load one bucket of ``(hf_name, tensor)`` in place; returns its bytes."""
-        self.llm.collective_rpc(_reload, args=(bucket,))
+        import pickle
+
+        self.llm.collective_rpc(_reload, args=(pickle.dumps(list(bucket)),))
         return sum(t.nbytes for _, t in bucket)
 
     def finish_sync(self, version: int) -> None:

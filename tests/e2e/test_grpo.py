@@ -20,9 +20,9 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY, MORE = 16, 8, 2
-THRESHOLD = 0.3
+THRESHOLD = 0.25
 """The mean reward (the share of "e" in the responses) the run must pass;
-it starts near 0.12 (measured, docs/rl.md)."""
+it starts near 0.12 and passed 0.3 by step 10 of the 40-step example (docs/rl.md)."""
 
 
 def _train(config: Path, env: dict, *overrides: str) -> subprocess.CompletedProcess:
