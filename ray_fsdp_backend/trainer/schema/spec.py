@@ -117,7 +117,7 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of ``doc`` with each ``section.key=value`` set; values are YAML
     (``20``, ``true``, ``[a, b]``, ``null``)."""
-    out = copy.deepcopy(dict(doc))
+    out = copy.deepcopy(normalise_reward(doc))  # reward: module:function is a section too
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
