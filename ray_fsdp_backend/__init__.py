@@ -23,6 +23,7 @@ _EXPORTS = {
     "ShardingStrategy": "ray_fsdp_backend.settings.config",
     "TrainContext": "ray_fsdp_backend.runtime.context",
     "get_context": "ray_fsdp_backend.runtime.context",
+    "grpo_advantages": "ray_fsdp_backend.rl",
     "linear_cross_entropy": "ray_fsdp_backend.ops.loss",
     "linear_token_log_probs": "ray_fsdp_backend.ops.loss",
     "dpo_loss": "ray_fsdp_backend.preference.losses",
@@ -40,6 +41,7 @@ _EXPORTS = {
     "check_sft_source": "ray_fsdp_backend.sft",
     "sft_dataset": "ray_fsdp_backend.sft",
     "sft_stats": "ray_fsdp_backend.sft",
+    "policy_loss": "ray_fsdp_backend.rl",
     "check_preference_source": "ray_fsdp_backend.preference.dataset",
     "preference_dataset": "ray_fsdp_backend.preference.dataset",
 }
@@ -63,10 +65,12 @@ __all__ = [
     "check_sft_source",
     "dpo_loss",
     "get_context",
+    "grpo_advantages",
     "linear_cross_entropy",
     "linear_token_log_probs",
     "load_pretrained",
     "pair_log_probs",
+    "policy_loss",
     "preference_dataset",
     "reward_loss",
     "sft_dataset",
@@ -80,6 +84,7 @@ if TYPE_CHECKING:
     from ray_fsdp_backend.preference.dataset import check_preference_source, preference_dataset
     from ray_fsdp_backend.preference.log_probs import PairLogProbs, pair_log_probs
     from ray_fsdp_backend.preference.losses import PreferenceLoss, dpo_loss, reward_loss
+    from ray_fsdp_backend.rl import grpo_advantages, policy_loss
     from ray_fsdp_backend.runtime.backend import FSDPConfig
     from ray_fsdp_backend.runtime.context import TrainContext, get_context
     from ray_fsdp_backend.runtime.data_config import MeshDataConfig

@@ -10,6 +10,8 @@
   Hugging Face layout (or one safetensors file) from sharded state;
   :mod:`.target`: what an export refuses (a non-empty target without
   ``overwrite``, one not every rank sees) and checks before its index.
+- :mod:`.stream`: :func:`stream_weights`, the export's tensors in buckets
+  (an RL loop's weight sync to its rollout engines).
 - :mod:`.check`: :func:`check_pretrained`, a checkpoint's existence and LoRA
   targets, from the driver before anything starts.
 - :mod:`.models`: ``transformers`` helpers (imported on use; optional extra).
@@ -24,6 +26,7 @@ _EXPORTS = {
     "check_pretrained": "check",
     "export_model": "export",
     "load_pretrained": "load",
+    "stream_weights": "stream",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)  # plan imports .shapes and .check without torch

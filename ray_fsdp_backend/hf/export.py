@@ -44,12 +44,12 @@ from ray_fsdp_backend.hf.writer import (
     barrier,
     export_dtype,
     file_header,
-    parse_size,
     tag_names,
     write_bytes,
     write_files,
 )
 from ray_fsdp_backend.ops.quantization import dequantize_state
+from ray_fsdp_backend.settings.checks import parse_size
 from ray_fsdp_backend.storage.filesystem import resolve_filesystem
 
 Exporter = Callable[..., None]
@@ -161,7 +161,7 @@ def export_hf(
     inner = unwrap(model)
     with agreed(f"preparing the export to {uri!r}"):
         # Pipeline stages hold different keys: each group of ranks writes its own.
-        state, groups = gather_holders(_export_state(model, inner))
+        state, groups = gather_holders(export_state(model, inner))
         files = plan_group_files(_sizes(state, dtype), groups, parse_size(max_shard_size))
     files = _fresh_names(fs, root, files)
     with agreed(f"creating {uri!r}"):
@@ -179,8 +179,9 @@ def export_hf(
     remove_stale(fs, root, {f.name for f in files} | {INDEX_NAME})
 
 
-def _export_state(model: nn.Module, inner: nn.Module) -> dict[str, torch.Tensor]:
-    """The state ``export_hf`` writes, under the names ``save_pretrained`` uses."""
+def export_state(model: nn.Module, inner: nn.Module) -> dict[str, torch.Tensor]:
+    """The state ``export_hf`` writes (and :func:`~ray_fsdp_backend.hf.stream.stream_weights`
+    streams), under the names ``save_pretrained`` uses; sharded tensors stay sharded."""
     state = dequantize_state(get_model_state_dict(model))  # a QLoRA base: NF4 -> dense
     state = {k: state[k] for k in export_keys(inner, state)}
     if is_peft_model(inner):  # adapters merged into the base, under the base's names

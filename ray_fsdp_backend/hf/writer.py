@@ -22,7 +22,6 @@ consolidation (torch 2.13) work on local paths only, hence this writer.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 import pyarrow.fs as pafs
@@ -32,26 +31,6 @@ import torch.distributed as dist
 from ray_fsdp_backend.distributed.collectives import agreed, full_tensor
 from ray_fsdp_backend.hf.safetensors_io import build_header
 from ray_fsdp_backend.storage.retrying_fs import open_whole
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or ``"5GB"``/``"500MiB"``/``"20KB"`` (as
-    Hugging Face's ``max_shard_size``: GB = 10**9, GiB = 2**30).
-
-    Raises:
-        ValueError: naming the value and the accepted forms.
-    """
-    if isinstance(size, int) and size > 0:
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
-    if not match or match.group(2).upper() not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(
-            f"max_shard_size={size!r} is not a positive size such as 5GB, 500MB or 2GiB"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 def plan_shard_files(sizes: dict[str, int], max_bytes: int) -> dict[str, int]:

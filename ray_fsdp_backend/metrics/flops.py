@@ -124,6 +124,10 @@ def format_progress(m: Mapping[str, float], total_steps: int) -> str:
                 f"{label}margin {m[f'{prefix}rewards/margins']:.3f} "
                 f"acc {m[f'{prefix}rewards/accuracies']:.2f}"
             )
+    if "reward/mean" in m:  # online RL (docs/rl.md)
+        parts.append(
+            f"reward {m['reward/mean']:.3f} kl {m['kl']:.4f} clip {m['clip_fraction']:.2f}"
+        )
     if "grad_norm" in m:
         parts.append(f"grad norm {m['grad_norm']:.3f}")
     if "lr" in m:

@@ -26,6 +26,7 @@ from ray_fsdp_backend.planning.topology import (
     MeshLayout,
     Topology,
 )
+from ray_fsdp_backend.runtime.offload import offload, onload
 from ray_fsdp_backend.settings.config import FSDPSettings
 from ray_fsdp_backend.strategies.base import DistributionStrategy
 
@@ -299,7 +300,16 @@ class TrainContext:
         ranks' losses is that global mean (docs/long-context.md, "The loss
         rule"). The step's token count itself is this times ``dp_size x cp_size``."""
         parts = [labels] if isinstance(labels, torch.Tensor) else list(labels)
-        count = sum(count_valid_tokens(part) for part in parts).to(torch.float32)
+        return self.global_count(sum(count_valid_tokens(part) for part in parts))
+
+    def global_count(self, count: torch.Tensor) -> torch.Tensor:
+        """The divisor of a loss that is a mean over any unit of the step (a
+        token, a sequence, a preference pair): ``count``, this rank's units
+        of the step, summed over every rank and divided by the number of
+        ranks gradients are averaged over, so that ``loss_sum / divisor``
+        has the gradient of the step's mean on every layout (see
+        :meth:`global_token_count`). At least 1. One all-reduce."""
+        count = count.detach().to(torch.float32, copy=True)  # reduced in place
         if not dist.is_initialized():
             return count.clamp(min=1.0)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
@@ -426,6 +436,33 @@ class TrainContext:
 
             self._checkpoints = RunCheckpoints()
         return self._checkpoints
+
+    def stream_weights(
+        self, model: nn.Module, *, bucket_bytes: int | str = 512 * 2**20, dtype=None
+    ):
+        """Yield ``model``'s full weights as ``[(hf_name, tensor), ...]``
+        buckets of at most ``bucket_bytes``: the tensors ``export_model``
+        writes (adapters merged, experts per expert), gathered one at a time,
+        for a rollout engine's weight reload. Collective: every rank iterates
+        to the end and receives every bucket. See
+        :func:`~ray_fsdp_backend.hf.stream.stream_weights`."""
+        from ray_fsdp_backend.hf.stream import stream_weights
+
+        return stream_weights(model, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def offload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Free the device memory of ``model``'s parameters, gradients and
+        buffers and of ``optimizer``'s state until :meth:`onload` (a
+        colocated rollout engine's turn): their bytes go to host memory, the
+        tensors stay the same objects, so the next step after :meth:`onload`
+        is bit-identical to one without the round trip. Returns the bytes
+        freed on this rank. See :mod:`~ray_fsdp_backend.runtime.offload`."""
+        return offload(model, optimizer)
+
+    def onload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Bring back what :meth:`offload` freed (the same ``optimizer``).
+        Returns the bytes restored on this rank."""
+        return onload(model, optimizer)
 
     def close(self) -> None:
         """Drop the run's state (checkpoints and their async-save group);

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import re
 from typing import Any
 
 from ray_fsdp_backend.settings.pipeline_schedules import PIPELINE_SCHEDULES, schedule_errors
@@ -365,3 +366,22 @@ def unknown_key_message(key: str, known: list[str], section: str = "distributed"
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(known)}"
     return f"unknown {section} config key {key!r}{hint}"
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_size(size: int | str, name: str = "max_shard_size") -> int:
+    """Bytes in ``size``: an int, or ``"5GB"``/``"500MiB"``/``"20KB"`` (as
+    Hugging Face's ``max_shard_size``: GB = 10**9, GiB = 2**30).
+
+    Raises:
+        ValueError: naming the value and the accepted forms.
+    """
+    if isinstance(size, int) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    if not match or match.group(2).upper() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{name}={size!r} is not a positive size such as 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])

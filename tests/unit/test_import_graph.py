@@ -133,6 +133,7 @@ LAYERS = (
     ("runtime",),
     ("sft",),
     ("preference",),
+    ("rl",),
     ("",),
     ("trainer.schema",),
     ("trainer.data",),

@@ -87,6 +87,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, float]]
     ctx = rfb.get_context()
     spec = fit_global_batch(build_spec(loop_config), ctx.dp_size, ctx.world_rank)
     quiet_console(spec.logging.verbose)
+    if spec.train.objective == "grpo":  # samples from rollout engines, not a dataset
+        from ray_fsdp_backend.trainer.loop.grpo import run_grpo
+
+        return run_grpo(ctx, spec)
     return run_training(ctx, spec)
 
 

@@ -15,11 +15,15 @@ from typing import Any
 from ray_fsdp_backend.planning.elastic import worker_range
 from ray_fsdp_backend.planning.memory import DEFAULT_CHUNK_TOKENS
 from ray_fsdp_backend.settings.config import unknown_key_message
+from ray_fsdp_backend.settings.policy import PolicyOptions
 from ray_fsdp_backend.trainer.schema.preference import OBJECTIVES, DPOOptions
 
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("corpus", "ray_data")
-DATA_FORMATS = ("text", "chat", "prompt_completion", "sharegpt", "alpaca", "preference")
+DATA_FORMATS = (
+    *("text", "chat", "prompt_completion", "sharegpt", "alpaca", "preference"),
+    "prompts",
+)
 SFT_FORMATS = ("chat", "prompt_completion", "sharegpt", "alpaca", "preference")
 """The formats of records in a JSONL / parquet dataset, checked on the driver:
 ``rfb.sft_dataset`` reads them, ``rfb.preference_dataset`` reads ``preference``."""
@@ -83,6 +87,10 @@ class TrainOptions:
     dpo: DPOOptions = DPOOptions()
     """``objective: dpo``: the loss type, ``beta``, the reference model
     (:class:`~ray_fsdp_backend.trainer.schema.preference.DPOOptions`)."""
+    grpo: PolicyOptions = PolicyOptions()
+    """``objective: grpo``: the group size, prompts per step, clip, KL and
+    normalisation of the policy loss (:class:`~ray_fsdp_backend.settings.policy.PolicyOptions`;
+    the ``rollout:`` and ``reward:`` sections, docs/rl.md)."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +253,8 @@ def _build_options(cls: type, section: str, values: Mapping[str, Any]) -> Any:
     values = dict(values)
     if "dpo" in values:  # a nested section: its own checks name dpo.<key>
         values["dpo"] = DPOOptions.from_dict(values["dpo"])
+    if "grpo" in values:
+        values["grpo"] = PolicyOptions.from_dict(values["grpo"], "grpo")
     return cls(**values)
 
 

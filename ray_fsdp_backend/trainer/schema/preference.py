@@ -31,7 +31,7 @@ from typing import Any
 
 from ray_fsdp_backend.settings.checks import unknown_key_message
 
-OBJECTIVES = ("sft", "dpo", "reward")
+OBJECTIVES = ("sft", "dpo", "reward", "grpo")
 PREFERENCE_OBJECTIVES = ("dpo", "reward")
 PREFERENCE_FORMAT = "preference"
 """``data.format`` of ``{prompt, chosen, rejected}`` records (``rfb.preference_dataset``)."""

@@ -21,6 +21,7 @@ from ray_fsdp_backend.trainer.schema.options import DataOptions, ScalingOptions,
 from ray_fsdp_backend.trainer.schema.preference import preference_errors
 from ray_fsdp_backend.trainer.schema.preflight import storage_errors
 from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig
+from ray_fsdp_backend.trainer.schema.rl import PROMPTS_FORMAT, rl_errors
 
 
 def cross_section_errors(built: Mapping[str, Any]) -> list[str]:
@@ -55,6 +56,7 @@ def cross_section_errors(built: Mapping[str, Any]) -> list[str]:
     if data is not None:
         errors += data_errors(data, model, train)
     errors += preference_errors(train, data, model, dist)
+    errors += rl_errors(built)
     return errors
 
 
@@ -63,6 +65,12 @@ def data_errors(data: DataOptions, model, train: TrainOptions | None) -> list[st
     (keys only; the records themselves are read by ``sft_input_errors``)."""
     errors = []
     pretrained = isinstance(model, PretrainedModelConfig)
+    if data.format == PROMPTS_FORMAT:
+        if data.path is None:
+            errors.append("data.format='prompts' needs data.path (JSONL or parquet)")
+        elif "://" not in data.path and not os.path.exists(data.path):
+            errors.append(f"data.path={data.path!r} is not a file or directory")
+        return errors
     if data.is_sft:
         if model is not None and not pretrained:
             errors.append(

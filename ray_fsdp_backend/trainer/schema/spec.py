@@ -9,6 +9,8 @@ A training config has these top-level sections::
     scaling:       ScalingOptions fields (workers, GPUs, resources)
     run:           RunOptions fields (name, storage_path, max_failures)
     logging:       LoggingOptions fields (tensorboard, verbose)
+    rollout:       RolloutOptions fields (train.objective: grpo; ray_fsdp_backend.trainer.schema.rl)
+    reward:        module:function, or RewardOptions fields (train.objective: grpo)
 
 :func:`check_spec` returns *every* problem as a list of messages (what
 ``ray-fsdp validate`` prints); :func:`build_spec` returns the typed
@@ -42,6 +44,15 @@ from ray_fsdp_backend.trainer.schema.options import (
     options_builder,
 )
 from ray_fsdp_backend.trainer.schema.pretrained import PretrainedModelConfig, build_model_section
+from ray_fsdp_backend.trainer.schema.rl import (
+    PROMPTS_FORMAT,
+    RewardOptions,
+    RolloutOptions,
+    build_reward,
+    build_rollout,
+    normalise_reward,
+    prompt_input_errors,
+)
 from ray_fsdp_backend.trainer.schema.rules import (
     cross_section_errors,
     data_errors,
@@ -86,6 +97,8 @@ class RunSpec:
     scaling: ScalingOptions
     run: RunOptions
     logging: LoggingOptions
+    rollout: RolloutOptions = RolloutOptions()
+    reward: RewardOptions = RewardOptions()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
     """The document after overrides: what the workers receive."""
 
@@ -104,7 +117,7 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of ``doc`` with each ``section.key=value`` set; values are YAML
     (``20``, ``true``, ``[a, b]``, ``null``)."""
-    out = copy.deepcopy(dict(doc))
+    out = copy.deepcopy(normalise_reward(doc))  # reward: module:function is a section too
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
@@ -124,7 +137,10 @@ def apply_overrides(doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
 
 # -- checking --------------------------------------------------------------
 
-_SECTIONS = ("distributed", "model", "train", "data", "scaling", "run", "logging")  # = _BUILDERS
+_SECTIONS = (
+    *("distributed", "model", "train", "data", "scaling", "run", "logging"),
+    *("rollout", "reward"),
+)  # = _BUILDERS
 
 
 def check_spec(doc: Mapping[str, Any]) -> list[str]:
@@ -139,6 +155,7 @@ def check_spec(doc: Mapping[str, Any]) -> list[str]:
 def check_spec_report(doc: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """:func:`check_spec`'s errors, and what the check counted in the data
     (an SFT run's records, rows and padding per file: ``validate`` prints them)."""
+    doc = normalise_reward(doc)
     errors = [
         f"unknown section {key!r}; sections are {', '.join(_SECTIONS)}"
         for key in doc
@@ -166,6 +183,8 @@ def check_spec_report(doc: Mapping[str, Any]) -> tuple[list[str], list[str]]:
             data, built["model"], built["train"], built["scaling"], group
         )
         errors += found
+    if not errors and data is not None and data.format == PROMPTS_FORMAT:
+        errors += prompt_input_errors(data, built["model"], built["rollout"])
     return errors, counted
 
 
@@ -191,6 +210,8 @@ def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunSpec
 
 
 def _build(doc: Mapping[str, Any], torch_config: bool) -> RunSpec:
+    doc = normalise_reward(doc)
+
     def section(name: str) -> Mapping[str, Any]:
         return doc.get(name) or {}
 
@@ -254,5 +275,7 @@ _BUILDERS: dict[str, tuple[type, Callable[[Mapping[str, Any]], Any]]] = {
     "scaling": (ScalingOptions, options_builder(ScalingOptions, "scaling")),
     "run": (RunOptions, options_builder(RunOptions, "run")),
     "logging": (LoggingOptions, options_builder(LoggingOptions, "logging")),
+    "rollout": (RolloutOptions, build_rollout),
+    "reward": (RewardOptions, build_reward),
 }
 """Each section's dataclass and the function that builds it from a mapping."""

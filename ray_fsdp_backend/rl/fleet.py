@@ -1,0 +1,113 @@
+"""The rollout engines of a run, as the trainer's rank 0 drives them: sampling and weight sync.
+
+:class:`RolloutFleet` holds the engines' actor handles (:mod:`.rollout_hf`,
+:mod:`.rollout_vllm`: the same four methods). :meth:`~RolloutFleet.generate`
+deals the prompts out in contiguous blocks, one per engine, and checks that
+every engine answered with the weights of the last sync: an engine Ray
+restarted after a crash (``max_restarts``) comes back with the checkpoint's
+weights, so the fleet reports it stale and the loop syncs again before
+sampling. :func:`sync_weights` is collective: every trainer rank iterates
+``ctx.stream_weights`` (each bucket is gathered from the shards), and rank
+0 puts each bucket in Ray's object store once and has every engine load
+it; it waits for bucket ``k - 1``'s loads before putting bucket ``k + 1``,
+so at most two buckets are in flight.
+
+Transport: Ray's object store (any hardware: the engines may run on other
+nodes). On GPUs, an NCCL group between rank 0 and vLLM's workers (vLLM's
+weight-transfer API) would skip the host copies; not built here (no GPU to
+prove it on; docs/rl.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    bytes: int
+
+
+class StaleEngineError(RuntimeError):
+    """An engine answered with weights older than the last sync (restarted)."""
+
+
+class RolloutFleet:
+    """Rollout engine actors (all with :class:`~.rollout_hf.HFRollout`'s methods)."""
+
+    def __init__(self, engines: list) -> None:
+        if not engines:
+            raise ValueError("a rollout fleet needs at least one engine")
+        self.engines = list(engines)
+        self.version = 0
+        """Syncs done since the engines were created (an engine's own count)."""
+
+    def stale(self) -> bool:
+        """Whether any engine holds other weights than the last sync's."""
+        import ray
+
+        versions = ray.get([engine.get_version.remote() for engine in self.engines])
+        return any(v != self.version for v in versions)
+
+    def generate(self, prompts: list[list[int]], *, seed: int, **sampling) -> list[list[dict]]:
+        """Samples for ``prompts`` (per prompt a list, as the engines give
+        them), each engine a contiguous block of prompts, its own seed.
+
+        Raises:
+            StaleEngineError: an engine answered with stale weights."""
+        import ray
+
+        per = -(-len(prompts) // len(self.engines))
+        calls = [
+            engine.generate.remote(prompts[i * per : (i + 1) * per], seed=seed + i, **sampling)
+            for i, engine in enumerate(self.engines)
+            if prompts[i * per : (i + 1) * per]
+        ]
+        samples = []
+        for out in ray.get(calls):
+            if out["version"] != self.version:
+                raise StaleEngineError(
+                    f"a rollout engine answered with weight version {out['version']}, "
+                    f"not {self.version} (restarted?)"
+                )
+            samples.extend(out["samples"])
+        return samples
+
+
+def sync_weights(ctx, model, fleet: RolloutFleet | None, *, bucket_bytes) -> SyncStats:
+    """Send ``model``'s weights to every engine of ``fleet`` (rank 0's;
+    None on the other ranks). Collective. Returns the seconds and bytes
+    (rank 0's count; 0 elsewhere)."""
+    import ray
+
+    start, sent = time.perf_counter(), 0
+    in_flight: list[list] = []
+    for bucket in ctx.stream_weights(model, bucket_bytes=bucket_bytes):
+        if fleet is None:
+            continue
+        ref = ray.put([(name, tensor.cpu()) for name, tensor in bucket])
+        in_flight.append([engine.load_weights.remote(ref) for engine in fleet.engines])
+        sent += sum(t.nbytes for _, t in bucket)
+        if len(in_flight) > 1:
+            ray.get(in_flight.pop(0))
+    if fleet is not None:
+        for loads in in_flight:
+            ray.get(loads)
+        fleet.version += 1
+        ray.get([engine.finish_sync.remote(fleet.version) for engine in fleet.engines])
+    if dist.is_initialized():
+        dist.barrier()
+    return SyncStats(time.perf_counter() - start, sent)
+
+
+def broadcast_object(value, src: int = 0):
+    """``value`` from global rank ``src`` on every rank (pickled)."""
+    if not dist.is_initialized():
+        return value
+    box = [value if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,119 @@
+"""A rollout engine on ``transformers``' ``generate``: for tests, tiny models and CPU clusters.
+
+The same interface as the vLLM engine (:mod:`.rollout_vllm`): the trainer's
+loop calls :meth:`HFRollout.generate` with prompt token ids and sampling
+parameters, and :meth:`HFRollout.load_weights` with the buckets of
+``ctx.stream_weights`` (Hugging Face names, full tensors). It runs as a Ray
+actor (``ray.remote(HFRollout)``), in a Python environment of its own if
+need be: this module imports nothing of ``ray_fsdp_backend`` (a test keeps
+it so), only torch and transformers.
+
+Each sample's log-probs are those of the distribution it was sampled from:
+``log_softmax(logits / temperature)`` of the model's raw logits, with no
+top-k (transformers' default of 50 is turned off) and ``top_p`` 1 unless
+given, so that a policy gradient on the samples is on-policy; the trainer
+compares them with its own (the trainer / rollout log-prob gap).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HFRollout:
+    """A causal LM loaded from a Hugging Face checkpoint, sampling with ``generate``.
+
+    Args:
+        model_path: the checkpoint (a local directory: the trainer's
+            ``model.pretrained``).
+        dtype: the weights' dtype (``float32``, ``bfloat16``).
+        device: where it runs (``cpu``, ``cuda``).
+    """
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(device).eval()
+        self.device = torch.device(device)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.names = set(self.model.state_dict())
+        self.version = 0
+        """The weights' version: 0 the checkpoint's, then the trainer's sync count."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> dict:
+        """``n`` samples for each prompt (token ids): ``{"version": the
+        engine's weight version, "samples": per prompt a list of
+        {"token_ids": [...], "log_probs": [...], "finished": bool}}``, each
+        response up to and including its end-of-sequence token (``finished``)
+        or ``max_tokens`` long. ``temperature`` 0 is greedy (log-probs at
+        temperature 1). Seeded: the same call gives the same samples."""
+        torch.manual_seed(seed)
+        sample = temperature > 0
+        options = dict(
+            do_sample=sample,
+            max_new_tokens=max_tokens,
+            num_return_sequences=n,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=next(iter(self.eos), 0),
+        )
+        if sample:
+            options.update(temperature=temperature, top_k=0, top_p=top_p)
+        results = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt], device=self.device)
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+                tokens = out.sequences[:, ids.shape[1] :]
+                logits = torch.stack(out.logits, dim=1).float()  # [n, new, vocab], raw
+                scale = temperature if sample else 1.0
+                log_probs = torch.log_softmax(logits / scale, dim=-1)
+                picked = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+                results.append([self._sample(t, p) for t, p in zip(tokens, picked, strict=True)])
+        return {"version": self.version, "samples": results}
+
+    def _sample(self, tokens: torch.Tensor, log_probs: torch.Tensor) -> dict:
+        ids = tokens.tolist()
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos), None)
+        length = len(ids) if end is None else end
+        return {
+            "token_ids": ids[:length],
+            "log_probs": log_probs[:length].tolist(),
+            "finished": end is not None,
+        }
+
+    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy one bucket of ``ctx.stream_weights`` into the model in place
+        (Hugging Face names); returns the bytes taken.
+
+        Raises:
+            KeyError: a name the model does not have."""
+        unknown = [name for name, _ in bucket if name not in self.names]
+        if unknown:
+            raise KeyError(f"weights this model does not have: {unknown[:5]}")
+        params = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in bucket:
+                params[name].copy_(tensor)
+        return sum(t.nbytes for _, t in bucket)
+
+    def finish_sync(self, version: int) -> None:
+        """Mark a weight sync complete: the engine now holds weight ``version``."""
+        self.version = version
+
+    def get_version(self) -> int:
+        """The weight version the engine holds (0: the checkpoint's)."""
+        return self.version
