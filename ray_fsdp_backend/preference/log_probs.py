@@ -87,9 +87,10 @@ def sum_pairs(
     sums, counts = sequence_sums(
         token_log_probs, counted, group=group, num_sequences=max(per_row, default=0)
     )
-    rows = torch.tensor([r for r, n in enumerate(per_row) for _ in range(n // 2)], dtype=torch.long)
-    chosen = torch.tensor([2 * p for n in per_row for p in range(n // 2)], dtype=torch.long)
-    rows, chosen = rows.to(sums.device), chosen.to(sums.device)
+    device = sums.device
+    pairs = [(r, 2 * p) for r, n in enumerate(per_row) for p in range(n // 2)]
+    rows = torch.tensor([r for r, _ in pairs], dtype=torch.long, device=device)
+    chosen = torch.tensor([c for _, c in pairs], dtype=torch.long, device=device)
     return PairLogProbs(
         sums[rows, chosen], sums[rows, chosen + 1], counts[rows, chosen], counts[rows, chosen + 1]
     )

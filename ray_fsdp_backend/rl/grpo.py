@@ -70,18 +70,22 @@ def rollout_rows(
                     f"response exceed seq_len={seq_len}"
                 )
             rows.append((prompt, sample))
+    # The rows are built on the host, as a data loader's; policy_update moves
+    # each micro-batch to the device.
     n = len(rows)
-    input_ids = torch.zeros(n, seq_len, dtype=torch.long)
-    targets = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
-    rollout_log_probs = torch.zeros(n, seq_len)
+    input_ids = torch.zeros(n, seq_len, dtype=torch.long)  # host: rows
+    targets = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)  # host: rows
+    rollout_log_probs = torch.zeros(n, seq_len)  # host: rows
     for row, (prompt, sample) in enumerate(rows):
         response = sample["token_ids"]
         start, end = len(prompt), len(prompt) + len(response)
-        input_ids[row, :end] = torch.tensor(prompt + response)
         # Position t predicts token t + 1: the response is predicted from the
         # prompt's last token onwards.
-        targets[row, start - 1 : end - 1] = torch.tensor(response)
-        rollout_log_probs[row, start - 1 : end - 1] = torch.tensor(sample["log_probs"])
+        input_ids[row, :end] = torch.tensor(prompt + response)  # host: rows
+        targets[row, start - 1 : end - 1] = torch.tensor(response)  # host: rows
+        rollout_log_probs[row, start - 1 : end - 1] = torch.tensor(  # host: rows
+            sample["log_probs"]
+        )
     return {
         "input_ids": input_ids,
         "targets": targets,

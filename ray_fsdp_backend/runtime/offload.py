@@ -48,7 +48,9 @@ def offload(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
             module.reshard()
     saved = []
     for storage in _storages(model, optimizer):
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.is_cuda)
+        host = torch.empty(  # host: where the offloaded bytes wait
+            storage.nbytes(), dtype=torch.uint8, pin_memory=storage.is_cuda
+        )
         host.copy_(_as_bytes(storage), non_blocking=storage.is_cuda)
         saved.append((storage, host))
     if any(storage.is_cuda for storage, _ in saved):

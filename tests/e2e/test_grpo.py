@@ -70,7 +70,8 @@ def test_grpo_yaml_raises_the_reward_survives_a_dead_engine_and_resumes(tmp_path
     more = _train(REPO / "examples" / "grpo.yaml", env, *common, f"train.steps={STEPS + MORE}")
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
     assert f"resumed from step {STEPS}" in more.stdout + more.stderr
-    resumed = _history(more)
-    assert [row["step"] for row in resumed] == list(range(STEPS + 1, STEPS + MORE + 1))
+    extended = _history(more)  # a resumed run extends its run's metrics.jsonl
+    assert [row["step"] for row in extended] == list(range(1, STEPS + MORE + 1))
+    assert extended[:STEPS] == history
     prompts_per_step = 4  # examples/grpo.yaml
-    assert resumed[0]["data_position"] == (STEPS + 1) * prompts_per_step
+    assert extended[STEPS]["data_position"] == (STEPS + 1) * prompts_per_step

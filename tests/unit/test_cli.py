@@ -34,6 +34,7 @@ NAMES = [
     "pipeline_tiny",
     "dpo",
     "reward",
+    "grpo",
 ]
 
 
@@ -53,6 +54,7 @@ def test_validate_accepts_every_example(capsys, tmp_path):
     pytest.importorskip("transformers")
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
     from ray_fsdp_backend.preference.make_pairs import make_pairs, write_pairs
+    from ray_fsdp_backend.rl.example_task import main as write_prompts
 
     kinds = {  # basename: (kind, chat template)
         "rfb-tiny-llama": ("llama", False),
@@ -74,6 +76,9 @@ def test_validate_accepts_every_example(capsys, tmp_path):
             doc["data"] |= {"path": chat["train"], "eval_path": chat["eval"]}
         if doc.get("data", {}).get("format") == "preference":  # pairs, as its header writes
             doc["data"]["path"] = write_pairs(str(tmp_path / "pairs.jsonl"), make_pairs(64))
+        if doc.get("data", {}).get("format") == "prompts":  # prompts, as its header writes
+            write_prompts([str(tmp_path / "prompts.jsonl")])
+            doc["data"]["path"] = str(tmp_path / "prompts.jsonl")
         if "pretrained" in doc["model"]:
             config = tmp_path / config.name
             config.write_text(yaml.safe_dump(doc))

@@ -221,6 +221,7 @@ def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, 
     only the checkpoints the examples' comments create are stood in for."""
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_chat_data, save_tiny_pretrained
     from ray_fsdp_backend.preference.make_pairs import make_pairs, write_pairs
+    from ray_fsdp_backend.rl.example_task import main as write_prompts
 
     stand_in = {
         "rfb-tiny-llama": configs["llama"],
@@ -241,6 +242,9 @@ def test_every_example_validates_after_a_previous_runs_export(tmp_path, capsys, 
             doc["data"] |= {"path": chat["train"], "eval_path": chat["eval"]}
         if data_format == "preference":  # the pairs the examples' headers write
             doc["data"]["path"] = write_pairs(str(tmp_path / "pairs.jsonl"), make_pairs(64))
+        if data_format == "prompts":  # grpo's prompts, as its header writes them
+            write_prompts([str(tmp_path / "prompts.jsonl")])
+            doc["data"]["path"] = str(tmp_path / "prompts.jsonl")
         if model.get("export"):
             export = tmp_path / example.stem / "export"
             export.mkdir(parents=True)

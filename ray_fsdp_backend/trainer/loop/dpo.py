@@ -242,8 +242,8 @@ def gather_pairs(keys: torch.Tensor, values: torch.Tensor):
 
 def _first_of_each(keys: torch.Tensor):
     unique, inverse = torch.unique(keys, return_inverse=True)
-    first = torch.full((len(unique),), len(keys), dtype=torch.long)
-    first.scatter_reduce_(0, inverse, torch.arange(len(keys)), reduce="amin")
+    first = torch.full((len(unique),), len(keys), dtype=torch.long, device=keys.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(keys), device=keys.device), reduce="amin")
     return unique, first
 
 

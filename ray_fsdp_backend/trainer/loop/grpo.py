@@ -38,6 +38,7 @@ from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter
 from ray_fsdp_backend.rl.fleet import RolloutFleet, StaleEngineError, broadcast_object, sync_weights
 from ray_fsdp_backend.rl.grpo import dp_share, policy_update, rollout_rows
+from ray_fsdp_backend.trainer.loop.checkpoints import CheckpointHooks
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
 from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
 from ray_fsdp_backend.trainer.schema.rl import prompt_options
@@ -84,8 +85,6 @@ def run_grpo(
 ) -> list[dict[str, float]]:
     """Set up the policy, the engines and the prompts, and run the loop of
     the module docstring to ``train.steps``; returns the logged history."""
-    from ray_fsdp_backend.trainer.loop.train import CheckpointHooks
-
     opts, rollout = spec.train, spec.rollout
     torch.manual_seed(opts.seed)
     model = build_pretrained(ctx, spec.model)
@@ -194,7 +193,7 @@ class _RankZero:
             self.spec.reward.function, [self.prompts.prompts[i] for i in repeat], completions,
             fields, chunk=self.spec.reward.chunk,
         )  # fmt: skip
-        return prompts, samples, torch.tensor(rewards)
+        return prompts, samples, torch.tensor(rewards)  # host: broadcast as objects
 
     def _field_names(self) -> list[str]:
         return sorted({k for f in self.prompts.fields for k in f})
@@ -221,10 +220,11 @@ def _rollout(ctx, model, side, sampler, spec, step, synced, last_sync):
 
 def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[str, float]:
     _, samples, rewards = batch
-    lengths = torch.tensor([len(s["token_ids"]) for group in samples for s in group], dtype=float)
+    counts = [len(s["token_ids"]) for group in samples for s in group]
+    lengths = torch.tensor(counts, dtype=torch.float64)  # host: metrics of host samples
     same = {
         "reward/mean": rewards.mean(),
-        "reward/std": rewards.std() if len(rewards) > 1 else torch.zeros(()),
+        "reward/std": rewards.std() if len(rewards) > 1 else torch.zeros(()),  # host: metric
         "response_length": lengths.mean(),
         "grad_norm": update["grad_norm"],
         "clip_fraction": update["clip_fraction"],

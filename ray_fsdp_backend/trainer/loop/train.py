@@ -59,6 +59,7 @@ from ray_fsdp_backend.trainer.data.sft_batches import (
     eval_batches,
     to_micro_batch,
 )
+from ray_fsdp_backend.trainer.loop.checkpoints import CheckpointHooks
 from ray_fsdp_backend.trainer.loop.evaluation import evaluate
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
 from ray_fsdp_backend.trainer.loop.pipeline import pipeline_flops_per_token, pipeline_token_sum
@@ -373,49 +374,3 @@ def build_batches(spec: RunSpec, dp_rank: int, dp_size: int):
         tokens = load_corpus(spec.data.path)
     rows = PackedBatches if spec.data.packing else ShardedBatches
     return rows(tokens, seq_len, opts.micro_batch_size, dp_rank, dp_size, seed=opts.seed)
-
-
-class CheckpointHooks:
-    """Checkpoints every ``every`` steps through the context's helpers (each
-    a ``ray.train.report`` with the checkpoint); the metrics of other logged
-    steps go to ``report`` when given (benchmarks, tests), never to Ray: a
-    ``ray.train.report`` is a barrier that waits up to 2 s for Ray 2.60's
-    controller to poll (``DEFAULT_HEALTH_CHECK_INTERVAL_S``), which would
-    hold the step. The loop calls :meth:`restore` once and :meth:`report` at
-    every logged step.
-    """
-
-    def __init__(
-        self,
-        ctx,
-        every: int,
-        async_save: bool = False,
-        report: Callable[[dict], None] | None = None,
-    ) -> None:
-        self.ctx, self.every, self.async_save = ctx, every, async_save
-        self.enabled = every > 0
-        self._report = report
-
-    def due(self, step: int) -> bool:
-        return self.enabled and step % self.every == 0
-
-    def restore(self, model, optimizer, schedule, batches) -> dict:
-        """Load the latest checkpoint if the run has one; returns its extra
-        state (``step``, ``skipped_steps``, ...; empty: nothing to resume)."""
-        extra = self.ctx.restore_checkpoint(model, optimizer)
-        if not extra:
-            return {}
-        batches.load_state_dict(extra["data"])
-        schedule.load_state_dict(extra["schedule"])
-        if self.ctx.world_rank == 0:
-            _logger.info("resumed from step %d", extra["step"])
-        return extra
-
-    def report(self, step, model, optimizer, metrics, extra_state) -> None:
-        """A checkpoint when one is due (every rank), else ``metrics`` to ``report``."""
-        if self.due(step):
-            self.ctx.save_checkpoint(
-                model, optimizer, metrics, extra_state=extra_state, async_save=self.async_save
-            )
-        elif self._report is not None:
-            self._report(metrics)
