@@ -22,6 +22,7 @@ from ray_fsdp_backend.planning.memory import (
     format_count,
 )
 from ray_fsdp_backend.planning.topology import CP_AXIS, DATA_PARALLEL_AXES, SHARD_AXIS, TP_AXIS
+from ray_fsdp_backend.settings.checks import parse_size
 from ray_fsdp_backend.trainer.schema.preference import Reference
 from ray_fsdp_backend.trainer.schema.pretrained import BASE_DTYPES, PretrainedModelConfig
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
@@ -224,6 +225,8 @@ def format_objective(spec: RunSpec, shard_size: int) -> list[str]:
     opts = spec.train
     if opts.objective == "sft":
         return []
+    if opts.objective == "grpo":
+        return format_rollout(spec)
     if opts.objective != "dpo":
         return [f"objective: {opts.objective} on preference pairs (docs/preference.md)"]
     dpo, model = opts.dpo, spec.model
@@ -243,6 +246,29 @@ def format_objective(spec: RunSpec, shard_size: int) -> list[str]:
     return [
         head + f"frozen (a second sharded copy of the base, {format_count(base, 1)} "
         f"{model.base_dtype}): +{format_bytes(copy)} per GPU, one more forward a micro-batch"
+    ]
+
+
+def format_rollout(spec: RunSpec) -> list[str]:
+    """``train.objective: grpo``: the samples a step, the rollout fleet, and
+    what each weight sync sends (the whole model, LoRA merged, in the
+    checkpoint's dtype, to every engine; docs/rl.md)."""
+    grpo, rollout, model = spec.train.grpo, spec.rollout, spec.model
+    samples = grpo.prompts_per_step * grpo.group_size
+    base = model.frozen_params() if model.lora else model.num_params()  # adapters merge in
+    sync = base * BASE_DTYPES[model.base_dtype][1]
+    bucket = parse_size(rollout.bucket_bytes, "rollout.bucket_bytes")
+    clip = f"{grpo.clip_low:g}" + (f"/{grpo.clip_high:g}" if grpo.clip_high else "")
+    return [
+        f"objective: grpo, {samples} samples a step ({grpo.prompts_per_step} prompts x "
+        f"group {grpo.group_size}), {grpo.normalisation} mean, clip {clip}, "
+        f"kl_coef {grpo.kl_coef:g}, {grpo.updates} update(s) a rollout",
+        f"rollout:  {rollout.replicas} {rollout.engine} engine(s) (Ray actors), each "
+        f"{rollout.num_cpus:g} CPU {rollout.num_gpus:g} GPU, responses up to "
+        f"{rollout.max_tokens} tokens",
+        f"sync:     {format_bytes(sync)} a step ({model.base_dtype}, adapters merged) in "
+        f"{math.ceil(sync / bucket)} bucket(s) of at most {format_bytes(bucket)}, to each of "
+        f"{rollout.replicas} engine(s) through Ray's object store",
     ]
 
 

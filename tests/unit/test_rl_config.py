@@ -76,6 +76,19 @@ def test_bad_settings_are_named(setup, change, message):
     assert any(message in e for e in errors), errors
 
 
+def test_plan_prints_the_fleet_and_the_sync(setup, tmp_path, capsys):
+    from ray_fsdp_backend.cli.main import main
+
+    doc, _ = setup
+    config = tmp_path / "grpo.yaml"
+    config.write_text(json.dumps(doc))
+    assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "objective: grpo, 32 samples a step (4 prompts x group 8), token mean" in out
+    assert "rollout:  1 hf engine(s) (Ray actors), each 1 CPU 0 GPU, responses up to 24" in out
+    assert "sync:" in out and "in 1 bucket(s) of at most" in out
+
+
 def test_rollout_sections_refused_without_grpo(setup):
     doc, _ = setup
     doc = json.loads(json.dumps(doc))
