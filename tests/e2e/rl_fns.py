@@ -24,8 +24,12 @@ def letter_share_killing_once(prompts, completions, letter, **fields):
         import ray
         from ray.util.state import list_actors
 
+        killed = 0
         for actor in list_actors(filters=[("class_name", "=", "HFRollout")]):
             if actor.state == "ALIVE" and actor.name:
                 ray.kill(ray.get_actor(actor.name, namespace=actor.ray_namespace),
                          no_restart=False)  # fmt: skip
+                killed += 1
+        with open(marker + ".killed", "w") as f:
+            f.write(str(killed))
     return letter_share(prompts, completions, letter)

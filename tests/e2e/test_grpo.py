@@ -63,7 +63,8 @@ def test_grpo_yaml_raises_the_reward_survives_a_dead_engine_and_resumes(tmp_path
     print("rewards per step:", " ".join(f"{r:.3f}" for r in rewards))
     assert [row["step"] for row in history] == list(range(1, STEPS + 1))
     assert max(rewards[-3:]) > THRESHOLD > rewards[0]
-    assert int((tmp_path / "reward_calls").read_text()) >= STEPS  # the killing call ran
+    assert int((tmp_path / "reward_calls").read_text()) >= STEPS
+    assert (tmp_path / "reward_calls.killed").read_text() == "1"  # the engine died at step 3
     assert all(row["sync_bytes"] > 0 and row["sync_s"] > 0 for row in history)
     assert all(0 <= row["clip_fraction"] <= 1 and row["kl"] >= 0 for row in history)
 
