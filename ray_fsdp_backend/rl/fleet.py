@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from ray_fsdp_backend.distributed.collectives import agreed
 
 
 @dataclass
@@ -80,34 +80,27 @@ class RolloutFleet:
 
 def sync_weights(ctx, model, fleet: RolloutFleet | None, *, bucket_bytes) -> SyncStats:
     """Send ``model``'s weights to every engine of ``fleet`` (rank 0's;
-    None on the other ranks). Collective. Returns the seconds and bytes
-    (rank 0's count; 0 elsewhere)."""
+    None on the other ranks). Collective: a failure on rank 0 (an engine
+    that cannot load) raises on every rank at that bucket's agreement
+    (:func:`~ray_fsdp_backend.distributed.collectives.agreed`). Returns the
+    seconds and the bytes sent to each engine (every rank receives every
+    bucket, so every rank counts them alike)."""
     import ray
 
     start, sent = time.perf_counter(), 0
     in_flight: list[list] = []
     for bucket in ctx.stream_weights(model, bucket_bytes=bucket_bytes):
-        if fleet is None:
-            continue
-        ref = ray.put([(name, tensor.cpu()) for name, tensor in bucket])
-        in_flight.append([engine.load_weights.remote(ref) for engine in fleet.engines])
         sent += sum(t.nbytes for _, t in bucket)
-        if len(in_flight) > 1:
-            ray.get(in_flight.pop(0))
-    if fleet is not None:
-        for loads in in_flight:
-            ray.get(loads)
-        fleet.version += 1
-        ray.get([engine.finish_sync.remote(fleet.version) for engine in fleet.engines])
-    if dist.is_initialized():
-        dist.barrier()
+        with agreed("sending a weight bucket to the rollout engines"):
+            if fleet is not None:
+                ref = ray.put([(name, tensor.cpu()) for name, tensor in bucket])
+                in_flight.append([engine.load_weights.remote(ref) for engine in fleet.engines])
+                if len(in_flight) > 1:
+                    ray.get(in_flight.pop(0))
+    with agreed("finishing the rollout engines' weight sync"):
+        if fleet is not None:
+            for loads in in_flight:
+                ray.get(loads)
+            fleet.version += 1
+            ray.get([engine.finish_sync.remote(fleet.version) for engine in fleet.engines])
     return SyncStats(time.perf_counter() - start, sent)
-
-
-def broadcast_object(value, src: int = 0):
-    """``value`` from global rank ``src`` on every rank (pickled)."""
-    if not dist.is_initialized():
-        return value
-    box = [value if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

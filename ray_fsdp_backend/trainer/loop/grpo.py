@@ -33,10 +33,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ray_fsdp_backend.distributed.collectives import broadcast_from_rank0
 from ray_fsdp_backend.distributed.seeding import seed_step
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter
-from ray_fsdp_backend.rl.fleet import RolloutFleet, StaleEngineError, broadcast_object, sync_weights
+from ray_fsdp_backend.rl.fleet import RolloutFleet, StaleEngineError, sync_weights
 from ray_fsdp_backend.rl.grpo import dp_share, policy_update, rollout_rows
 from ray_fsdp_backend.trainer.loop.checkpoints import CheckpointHooks
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
@@ -94,7 +95,7 @@ def run_grpo(
         ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async, report=report
     )
     side = _RankZero(spec) if ctx.world_rank == 0 else None
-    count = broadcast_object(len(side.prompts) if side else None)
+    count = broadcast_from_rank0(lambda: len(side.prompts))
     sampler = PromptSampler(count, opts.grpo.prompts_per_step, opts.seed)
     extra = checkpoints.restore(model, optimizer, schedule, sampler) if resume else {}
     start_step = int(extra.get("step", 0))
@@ -205,13 +206,14 @@ def _rollout(ctx, model, side, sampler, spec, step, synced, last_sync):
     indices = sampler.next()
     sync = last_sync
     for _ in range(ROLLOUT_TRIES):
-        stale = broadcast_object(side.fleet.stale() if side else None) or not synced
+        stale = broadcast_from_rank0(lambda: side.fleet.stale()) or not synced
         if stale:
             sync = sync_weights(
                 ctx, model, side.fleet if side else None, bucket_bytes=spec.rollout.bucket_bytes
             )
             synced = True
-        batch = broadcast_object(side.sample(indices, step) if side else None)
+        # A reward function's error on rank 0 is raised on every rank.
+        batch = broadcast_from_rank0(lambda: side.sample(indices, step))
         if batch is not None:
             return batch, sync
         synced = False
@@ -238,7 +240,7 @@ def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[s
         data_position=sampler.position,
         world_size=ctx.world_size,
         sync_s=sync.seconds if sync else 0.0,
-        sync_bytes=float(broadcast_object(sync.bytes if sync else 0)),
+        sync_bytes=float(sync.bytes if sync else 0),
     )
     return metrics
 
