@@ -34,11 +34,12 @@ DEFAULT_BUCKET_BYTES = 512 * 2**20
 def stream_weights(
     model: nn.Module,
     *,
-    bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield ``model``'s full weights as lists of ``(hf_name, tensor)`` of
-    at most ``bucket_bytes`` each (a tensor larger than that alone), in the
+    at most ``bucket_bytes`` each (None: :data:`DEFAULT_BUCKET_BYTES`; a
+    tensor larger than that alone), in the
     export's key order, each tensor whole, contiguous, on this rank's device
     and in ``dtype`` (default: the export's, that of the weights
     ``load_pretrained`` read). Collective: every rank iterates to the end.
@@ -53,7 +54,7 @@ def stream_weights(
             "stream_weights: a pipeline stage holds only its own layers under "
             "pipeline_parallel_size > 1; use export_model (each stage writes its files)"
         )
-    limit = parse_size(bucket_bytes)
+    limit = parse_size(DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
     dtype = default_export_dtype(model, "hf", dtype)
     state = export_state(model, unwrap(model))
     bucket, size = [], 0

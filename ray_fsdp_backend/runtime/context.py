@@ -438,10 +438,10 @@ class TrainContext:
         return self._checkpoints
 
     def stream_weights(
-        self, model: nn.Module, *, bucket_bytes: int | str = 512 * 2**20, dtype=None
+        self, model: nn.Module, *, bucket_bytes: int | str | None = None, dtype=None
     ):
         """Yield ``model``'s full weights as ``[(hf_name, tensor), ...]``
-        buckets of at most ``bucket_bytes``: the tensors ``export_model``
+        buckets of at most ``bucket_bytes`` (None: 512 MiB): the tensors ``export_model``
         writes (adapters merged, experts per expert), gathered one at a time,
         for a rollout engine's weight reload. Collective: every rank iterates
         to the end and receives every bucket. See
