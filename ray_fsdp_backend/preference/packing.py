@@ -25,12 +25,13 @@ A pair whose two prompts leave fewer than one response token each is dropped
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
 from ray_fsdp_backend.sft.packing import (
     IGNORE_INDEX,
+    Counts,
     PackCounts,
     assemble_rows,
     first_fit_decreasing,
@@ -41,7 +42,7 @@ PairDocuments = tuple[Document, Document]
 
 
 @dataclass
-class PairCounts:
+class PairCounts(Counts):
     """What packing did to a batch of pairs (sums over batches add up)."""
 
     records: int = 0
@@ -58,14 +59,6 @@ class PairCounts:
     padding: int = 0
     targets: int = 0
     """Labels that count in the loss."""
-
-    def add(self, other: PairCounts) -> PairCounts:
-        return PairCounts(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: int(getattr(self, f.name)) for f in fields(self)}
 
 
 def prompt_length(labels: np.ndarray) -> int:

@@ -33,8 +33,20 @@ import numpy as np
 IGNORE_INDEX = -100
 
 
+class Counts:
+    """A dataclass of counts that add up over batches (packing's tallies)."""
+
+    def add(self, other):
+        return type(self)(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: int(getattr(self, f.name)) for f in fields(self)}
+
+
 @dataclass
-class PackCounts:
+class PackCounts(Counts):
     """What packing did to a batch of records (sums over batches add up)."""
 
     records: int = 0
@@ -52,14 +64,6 @@ class PackCounts:
     padding: int = 0
     targets: int = 0
     """Labels that count in the loss."""
-
-    def add(self, other: PackCounts) -> PackCounts:
-        return PackCounts(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: int(getattr(self, f.name)) for f in fields(self)}
 
 
 def fit_documents(
