@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import enum
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ray_fsdp_backend.settings.pipeline_schedules import PIPELINE_SCHEDULES, schedule_errors
@@ -366,6 +367,27 @@ def unknown_key_message(key: str, known: list[str], section: str = "distributed"
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(known)}"
     return f"unknown {section} config key {key!r}{hint}"
+
+
+def build_checked(cls: type, section: str, values: Mapping[str, Any], problem_of) -> Any:
+    """``cls(**values)`` for a dataclass section, after naming at once every
+    unknown key (with its likely spelling) and every value that
+    ``problem_of(key, value)`` finds wrong (it returns what is wrong, or None).
+
+    Raises:
+        ValueError: ``<section>.<key>=<value> <problem>``, joined by ``; ``."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    problems = []
+    for key, value in values.items():
+        if key not in known:
+            problems.append(unknown_key_message(key, known, section))
+            continue
+        problem = problem_of(key, value)
+        if problem:
+            problems.append(f"{section}.{key}={value!r} {problem}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return cls(**values)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from ray_fsdp_backend.settings.checks import unknown_key_message
+from ray_fsdp_backend.settings.checks import build_checked
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 NORMALISATIONS = ("token", "sequence", "fixed")
@@ -58,18 +58,7 @@ class PolicyOptions:
             return values
         if not isinstance(values, Mapping):
             raise ValueError(f"{section}={values!r} must be a mapping of group_size, ...")
-        known = [f.name for f in fields(cls)]
-        problems = []
-        for key, value in values.items():
-            if key not in known:
-                problems.append(unknown_key_message(key, known, section))
-                continue
-            problem = _field_problem(key, value)
-            if problem:
-                problems.append(f"{section}.{key}={value!r} {problem}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return cls(**values)
+        return build_checked(cls, section, values, _field_problem)
 
 
 def _field_problem(key: str, value: Any) -> str | None:

@@ -23,14 +23,13 @@ Every check names the field, the value and the rule and runs in
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ray_fsdp_backend.settings.checks import parse_size, unknown_key_message
+from ray_fsdp_backend.settings.checks import build_checked, parse_size
 
 ENGINES = ("hf", "vllm")
 PROMPTS_FORMAT = "prompts"
@@ -83,24 +82,12 @@ def normalise_reward(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 def build_rollout(values: Mapping[str, Any]) -> RolloutOptions:
     """Raises ValueError naming ``rollout.<key>``, its value and the rule."""
-    return _build(RolloutOptions, "rollout", values, _rollout_problem)
+    return build_checked(RolloutOptions, "rollout", values, _rollout_problem)
 
 
 def build_reward(values: Mapping[str, Any]) -> RewardOptions:
     """Raises ValueError naming ``reward.<key>``, its value and the rule."""
-    return _build(RewardOptions, "reward", values, _reward_problem)
-
-
-def _build(cls, section: str, values: Mapping[str, Any], problem_of) -> Any:
-    known = [f.name for f in dataclasses.fields(cls)]
-    problems = [unknown_key_message(k, known, section) for k in values if k not in known]
-    for key, value in values.items():
-        problem = problem_of(key, value) if key in known else None
-        if problem:
-            problems.append(f"{section}.{key}={value!r} {problem}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    return cls(**values)
+    return build_checked(RewardOptions, "reward", values, _reward_problem)
 
 
 def _rollout_problem(key: str, value: Any) -> str | None:
