@@ -187,6 +187,7 @@ def policy_update(
                     ref_log_probs=batch.get("ref_log_probs"),
                     kl_coef=options.kl_coef,
                     kl_estimator=options.kl_estimator,
+                    kl_bias_correction=options.kl_bias_correction,
                     rollout_log_probs=batch["rollout_log_probs"],
                     tis_cap=options.tis_cap,
                     normalisation=options.normalisation,

@@ -113,6 +113,7 @@ def policy_loss(
     ref_log_probs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    kl_bias_correction: bool = False,
     rollout_log_probs: torch.Tensor | None = None,
     tis_cap: float | None = None,
     normalisation: str = "token",
@@ -129,8 +130,10 @@ def policy_loss(
     distribution than the trainer computes (TRL's ``token_truncate``). With
     ``kl_coef`` > 0 and ``ref_log_probs``, ``kl_coef`` times
     :func:`kl_penalty` is added per token (GRPO's KL in the loss, not the
-    reward). The sum is then taken as ``normalisation`` says (module
-    docstring).
+    reward); ``kl_bias_correction`` weights it by the ratio ``r`` first
+    (DeepSeek-V3.2's unbiased reverse-KL gradient off-policy; TRL's
+    ``use_bias_correction_kl``, on by default there). The sum is then
+    taken as ``normalisation`` says (module docstring).
 
     Args:
         log_probs: ``[responses, tokens]`` log-probs under the trained policy.
@@ -169,7 +172,8 @@ def policy_loss(
     if ref_log_probs is not None:
         kl_tokens = kl_penalty(log_probs, ref_log_probs, kl_estimator)
         if kl_coef:
-            per_token = per_token + kl_coef * kl_tokens
+            weighted = kl_tokens * ratio if kl_bias_correction else kl_tokens
+            per_token = per_token + kl_coef * weighted
         kl = (kl_tokens.detach() * mask).sum() / tokens.clamp_min(1)
     # The clipped term is the one min() takes: its gradient is zero there.
     was_clipped = (clipped * advantages < ratio * advantages).to(mask.dtype)

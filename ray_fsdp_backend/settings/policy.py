@@ -40,6 +40,10 @@ class PolicyOptions:
     the reference is the base with the adapters disabled)."""
     kl_estimator: str = "k3"
     """``k1`` | ``k2`` | ``k3`` (Schulman's estimators; TRL's is k3)."""
+    kl_bias_correction: bool = False
+    """Weight each token's KL term by its importance ratio (DeepSeek-V3.2's
+    unbiased KL gradient when ``updates`` > 1 or the rollout is off-policy;
+    TRL's ``use_bias_correction_kl``, whose default is true)."""
     normalisation: str = "token"
     """``token`` (DAPO: the mean over every response token of the step),
     ``sequence`` (GRPO: per response, then over responses), ``fixed``
@@ -69,7 +73,7 @@ def _field_problem(key: str, value: Any) -> str | None:
         return "must be an int >= 2 (a group of one has no baseline)"
     if key in ("prompts_per_step", "updates") and not (is_int and value >= 1):
         return "must be an int >= 1"
-    if key == "scale_advantages" and not isinstance(value, bool):
+    if key in ("scale_advantages", "kl_bias_correction") and not isinstance(value, bool):
         return "must be true or false"
     if key == "clip_low" and not (is_number and 0 < value < 1):
         return "must be a number in (0, 1)"

@@ -48,6 +48,7 @@ def test_the_example_passes(setup):
         ({"train": {"grpo": {"group_size": 1}}}, "train: grpo.group_size=1 must be an int >= 2"),
         ({"train": {"grpo": {"clip_lo": 0.2}}}, "did you mean 'clip_low'"),
         ({"train": {"grpo": {"normalisation": "mean"}}}, "is not one of token, sequence, fixed"),
+        ({"train": {"grpo": {"kl_bias_correction": "yes"}}}, "must be true or false"),
         ({"rollout": {"engine": "sglang"}}, "rollout.engine='sglang' is not one of hf, vllm"),
         ({"rollout": {"temperature": 0}}, "rollout.temperature=0 must be a positive number"),
         ({"rollout": {"bucket_bytes": "lots"}}, "rollout.bucket_bytes='lots' is not a positive"),
