@@ -26,10 +26,10 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from ray_fsdp_backend.settings.checks import unknown_key_message
+from ray_fsdp_backend.settings.checks import build_checked
 
 OBJECTIVES = ("sft", "dpo", "reward", "grpo")
 PREFERENCE_OBJECTIVES = ("dpo", "reward")
@@ -96,19 +96,7 @@ class DPOOptions:
             return values
         if not isinstance(values, Mapping):
             raise ValueError(f"dpo={values!r} must be a mapping of loss_type, beta, ...")
-        known = [f.name for f in fields(cls)]
-        problems = []
-        for key, value in values.items():
-            if key not in known:
-                problems.append(unknown_key_message(key, known, "train.dpo"))
-                continue
-            try:
-                _check_dpo_field(key, value)
-            except ValueError as exc:
-                problems.append(str(exc))
-        if problems:
-            raise ValueError("; ".join(problems))
-        options = cls(**values)
+        options = build_checked(cls, "train.dpo", values, _dpo_field_problem)
         if options.label_smoothing and options.loss_type not in SMOOTHED:
             raise ValueError(
                 f"dpo.label_smoothing={options.label_smoothing} with dpo.loss_type="
@@ -122,20 +110,22 @@ class DPOOptions:
         return options
 
 
-def _check_dpo_field(key: str, value: Any) -> None:
+def _dpo_field_problem(key: str, value: Any) -> str | None:
+    """What is wrong with one ``train.dpo`` field's value (None: nothing)."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if key == "loss_type" and value not in DPO_LOSS_TYPES:
-        raise ValueError(f"dpo.loss_type={value!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+        return f"is not one of {', '.join(DPO_LOSS_TYPES)}"
     if key == "reference" and value is not None and value not in REFERENCES:
-        raise ValueError(f"dpo.reference={value!r} is not one of {', '.join(REFERENCES)} or null")
+        return f"is not one of {', '.join(REFERENCES)} or null"
     if key in ("beta", "simpo_gamma") and not (is_number and math.isfinite(value)):
-        raise ValueError(f"dpo.{key}={value!r} must be a number")
+        return "must be a number"
     if key == "beta" and value <= 0:
-        raise ValueError(f"dpo.beta={value!r} must be positive")
+        return "must be positive"
     if key == "simpo_gamma" and value < 0:
-        raise ValueError(f"dpo.simpo_gamma={value!r} must be a non-negative number")
+        return "must be a non-negative number"
     if key == "label_smoothing" and not (is_number and 0 <= value < 0.5):
-        raise ValueError(f"dpo.label_smoothing={value!r} must be a number in [0, 0.5)")
+        return "must be a number in [0, 0.5)"
+    return None
 
 
 def preference_errors(train, data, model, dist) -> list[str]:
