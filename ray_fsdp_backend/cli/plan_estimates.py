@@ -251,12 +251,17 @@ def format_objective(spec: RunSpec, shard_size: int) -> list[str]:
 
 def format_rollout(spec: RunSpec) -> list[str]:
     """``train.objective: grpo``: the samples a step, the rollout fleet, and
-    what each weight sync sends (the whole model, LoRA merged, in the
-    checkpoint's dtype, to every engine; docs/rl.md)."""
+    what each weight sync sends to every engine (the whole model, LoRA
+    merged, in the checkpoint's dtype; or ``rollout.sync: adapters``, the
+    fp32 adapters alone; docs/rl.md)."""
     grpo, rollout, model = spec.train.grpo, spec.rollout, spec.model
     samples = grpo.prompts_per_step * grpo.group_size
-    base = model.frozen_params() if model.lora else model.num_params()  # adapters merge in
-    sync = base * BASE_DTYPES[model.base_dtype][1]
+    if rollout.sync == "adapters":
+        sync, what = (model.num_params() - model.frozen_params()) * 4, "fp32, adapters alone"
+    else:
+        base = model.frozen_params() if model.lora else model.num_params()  # adapters merge in
+        sync = base * BASE_DTYPES[model.base_dtype][1]
+        what = f"{model.base_dtype}, adapters merged" if model.lora else model.base_dtype
     bucket = parse_size(rollout.bucket_bytes, "rollout.bucket_bytes")
     clip = f"{grpo.clip_low:g}" + (f"/{grpo.clip_high:g}" if grpo.clip_high else "")
     return [
@@ -266,7 +271,7 @@ def format_rollout(spec: RunSpec) -> list[str]:
         f"rollout:  {rollout.replicas} {rollout.engine} engine(s) (Ray actors), each "
         f"{rollout.num_cpus:g} CPU {rollout.num_gpus:g} GPU, responses up to "
         f"{rollout.max_tokens} tokens",
-        f"sync:     {format_bytes(sync)} a step ({model.base_dtype}, adapters merged) in "
+        f"sync:     {format_bytes(sync)} a step ({what}) in "
         f"{math.ceil(sync / bucket)} bucket(s) of at most {format_bytes(bucket)}, to each of "
         f"{rollout.replicas} engine(s) through Ray's object store",
     ]

@@ -6,6 +6,9 @@
   reads. Adapters are a few per cent of the model: each is gathered one
   tensor at a time and rank 0 writes the file (other adapters than
   ``default`` go to a subdirectory of their name, as PEFT does).
+- :func:`gathered_adapters`: the tensors of that file, one at a time, also
+  what :func:`~ray_fsdp_backend.hf.adapter_stream.stream_adapters` sends
+  to a rollout engine.
 - :func:`merge_adapters` (``format="hf"`` on a PEFT model): ``W + scale B A``
   of every adapted layer, under the base model's names, on the sharded
   weights: ``B`` keeps ``W``'s row sharding, only the small ``A`` is
@@ -23,6 +26,7 @@ import copy
 import os
 import posixpath
 import tempfile
+from collections.abc import Iterator
 
 import pyarrow.fs as pafs
 import torch
@@ -59,18 +63,12 @@ def export_peft(
         RankFailedError: a gather or a write failed on some rank (named,
             with its error).
     """
-    inner = unwrap(model)
-    configs = peft_configs(inner)
-    if not configs:
-        raise ValueError(f"export_model format='peft': {type(inner).__name__} has no PEFT adapters")
-    params = dict(inner.named_parameters())
-    names = peft_names(inner, list(params))
+    configs = adapter_configs(model, "export_model format='peft'")
     per_adapter: dict[str, dict[str, torch.Tensor]] = {a: {} for a in configs}
-    for key, (adapter, saved) in names.adapters.items():
-        with agreed(f"exporting the adapters to {uri or root!r} (gathering {key!r})"):
-            full = _full_tensor(params[key])  # collective: every rank, same order
-            per_adapter.setdefault(adapter, {})[saved] = full.to(dtype) if dtype else full
-    with agreed(f"exporting the adapters to {uri or root!r}"):  # every rank, rank 0's outcome
+    doing = f"exporting the adapters to {uri or root!r}"
+    for adapter, saved, full in gathered_adapters(model, doing, dtype):
+        per_adapter.setdefault(adapter, {})[saved] = full
+    with agreed(doing):  # every rank, rank 0's outcome
         if not dist.is_initialized() or dist.get_rank() == 0:
             for adapter, tensors in per_adapter.items():
                 where = root if adapter == "default" else posixpath.join(root, adapter)
@@ -91,9 +89,29 @@ def _write_adapter(fs: pafs.FileSystem, where: str, tensors: dict, config) -> No
                 write_bytes(fs, posixpath.join(where, name), f.read())
 
 
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return full_tensor(t).cpu()
+def adapter_configs(model: nn.Module, what: str) -> dict:
+    """Adapter name -> PEFT config of ``model``; raises ValueError naming
+    ``what`` when it has none."""
+    configs = peft_configs(unwrap(model))
+    if not configs:
+        raise ValueError(f"{what}: {type(unwrap(model)).__name__} has no PEFT adapters")
+    return configs
+
+
+def gathered_adapters(
+    model: nn.Module, doing: str, dtype: torch.dtype | None
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(adapter, name in PEFT's file, full host tensor)`` of each adapter
+    parameter of ``model``, gathered one at a time (collective: every rank
+    iterates to the end; a failed gather raises on every rank, naming
+    ``doing`` and the parameter)."""
+    inner = unwrap(model)
+    params = dict(inner.named_parameters())
+    for key, (adapter, saved) in peft_names(inner, list(params)).adapters.items():
+        with agreed(f"{doing} (gathering {key!r})"):
+            full = full_tensor(params[key].detach()).cpu()  # collective: every rank, same order
+            full = full.to(dtype) if dtype else full
+        yield adapter, saved, full
 
 
 def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

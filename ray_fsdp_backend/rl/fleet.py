@@ -78,10 +78,15 @@ class RolloutFleet:
         return samples
 
 
-def sync_weights(ctx, model, fleet: RolloutFleet | None, *, bucket_bytes) -> SyncStats:
+def sync_weights(
+    ctx, model, fleet: RolloutFleet | None, *, bucket_bytes, adapters: bool = False
+) -> SyncStats:
     """Send ``model``'s weights to every engine of ``fleet`` (rank 0's;
-    None on the other ranks). Collective: a failure on rank 0 (an engine
-    that cannot load) raises on every rank at that bucket's agreement
+    None on the other ranks): the whole model, LoRA merged, or with
+    ``adapters`` the LoRA adapters alone (``ctx.stream_weights``' two
+    streams; the engines were built for the one they get). Collective: a
+    failure on rank 0 (an engine that cannot load) raises on every rank at
+    that bucket's agreement
     (:func:`~ray_fsdp_backend.distributed.collectives.agreed`). Returns the
     seconds and the bytes sent to each engine (every rank receives every
     bucket, so every rank counts them alike)."""
@@ -89,7 +94,7 @@ def sync_weights(ctx, model, fleet: RolloutFleet | None, *, bucket_bytes) -> Syn
 
     start, sent = time.perf_counter(), 0
     in_flight: list[list] = []
-    for bucket in ctx.stream_weights(model, bucket_bytes=bucket_bytes):
+    for bucket in ctx.stream_weights(model, bucket_bytes=bucket_bytes, adapters=adapters):
         sent += sum(t.nbytes for _, t in bucket)
         with agreed("sending a weight bucket to the rollout engines"):
             if fleet is not None:

@@ -13,6 +13,12 @@ Each sample's log-probs are those of the distribution it was sampled from:
 top-k (transformers' default of 50 is turned off) and ``top_p`` 1 unless
 given, so that a policy gradient on the samples is on-policy; the trainer
 compares them with its own (the trainer / rollout log-prob gap).
+
+Built with ``lora`` (``peft.LoraConfig``'s arguments: the run's ``r``,
+``lora_alpha``, ``target_modules``), the engine holds the checkpoint's base
+wrapped as a PEFT model and a sync sets its adapters alone, under PEFT's
+saved names (``ctx.stream_weights(model, adapters=True)``,
+``rollout.sync: adapters``); the base is loaded once and never sent.
 """
 
 from __future__ import annotations
@@ -28,19 +34,36 @@ class HFRollout:
             ``model.pretrained``).
         dtype: the weights' dtype (``float32``, ``bfloat16``).
         device: where it runs (``cpu``, ``cuda``).
+        lora: ``peft.LoraConfig``'s keyword arguments: the syncs send the
+            adapters alone (None: the whole model, merged).
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        lora: dict | None = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+            model = get_peft_model(model, LoraConfig(**lora))  # lora_B zero: the base until a sync
+        self.model = model.to(device).eval()
+        # The names a sync fills -> views of the model's tensors (a state dict shares
+        # their storage): transformers' names, or PEFT's saved names of the adapters.
+        self.weights = (
+            self.model.state_dict() if lora is None else get_peft_model_state_dict(self.model)
+        )
         self.device = torch.device(device)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.model.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.names = set(self.model.state_dict())
         self.version = 0
         """The weights' version: 0 the checkpoint's, then the trainer's sync count."""
 
@@ -97,17 +120,17 @@ class HFRollout:
 
     def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         """Copy one bucket of ``ctx.stream_weights`` into the model in place
-        (Hugging Face names); returns the bytes taken.
+        (Hugging Face names, or PEFT's adapter names when built with
+        ``lora``); returns the bytes taken.
 
         Raises:
-            KeyError: a name the model does not have."""
-        unknown = [name for name, _ in bucket if name not in self.names]
+            KeyError: a name the model (or its adapters) does not have."""
+        unknown = [name for name, _ in bucket if name not in self.weights]
         if unknown:
             raise KeyError(f"weights this model does not have: {unknown[:5]}")
-        params = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in bucket:
-                params[name].copy_(tensor)
+                self.weights[name].copy_(tensor)
         return sum(t.nbytes for _, t in bucket)
 
     def finish_sync(self, version: int) -> None:

@@ -438,14 +438,26 @@ class TrainContext:
         return self._checkpoints
 
     def stream_weights(
-        self, model: nn.Module, *, bucket_bytes: int | str | None = None, dtype=None
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int | str | None = None,
+        dtype=None,
+        adapters: bool = False,
     ):
         """Yield ``model``'s full weights as ``[(hf_name, tensor), ...]``
         buckets of at most ``bucket_bytes`` (None: 512 MiB): the tensors ``export_model``
         writes (adapters merged, experts per expert), gathered one at a time,
-        for a rollout engine's weight reload. Collective: every rank iterates
-        to the end and receives every bucket. See
-        :func:`~ray_fsdp_backend.hf.stream.stream_weights`."""
+        for a rollout engine's weight reload. ``adapters=True`` (a LoRA
+        model): the adapters alone, the tensors of ``export_model(...,
+        format="peft")`` under PEFT's names, for an engine that keeps its
+        base. Collective: every rank iterates to the end and receives every
+        bucket. See :func:`~ray_fsdp_backend.hf.stream.stream_weights` and
+        :func:`~ray_fsdp_backend.hf.adapter_stream.stream_adapters`."""
+        if adapters:
+            from ray_fsdp_backend.hf.adapter_stream import stream_adapters
+
+            return stream_adapters(model, bucket_bytes=bucket_bytes, dtype=dtype)
         from ray_fsdp_backend.hf.stream import stream_weights
 
         return stream_weights(model, bucket_bytes=bucket_bytes, dtype=dtype)

@@ -2,7 +2,10 @@
 after a weight sync (HF-named buckets, as ``ctx.stream_weights`` yields
 them) its greedy tokens equal transformers' greedy decode of the synced
 model and its sampled tokens' log-probs are within fp32 rounding of
-transformers' ``log_softmax`` (the gap is printed).
+transformers' ``log_softmax`` (the gap is printed). The same after an
+adapter-only sync (``rollout.sync: adapters``: the LoRA adapters as
+``ctx.stream_weights(model, adapters=True)`` yields them, applied by vLLM
+as a ``LoRARequest``), against the merged model.
 
 Opt-in: vLLM needs its own environment (``bash .ci/vllm_venv.sh``, about
 4 GB and minutes to install; its engine takes about 90 s to start on 2
@@ -66,16 +69,68 @@ def test_synced_vllm_engine_decodes_as_the_trainer_model(tmp_path, ray_local):
         )[0, len(prompt) :].tolist()
         assert sample["token_ids"] == expected[: len(sample["token_ids"])]
     sampled = ray.get(engine.generate.remote(PROMPTS, n=2, max_tokens=8, temperature=0.8, seed=1))
+    gap = _log_prob_gap(trained, sampled["samples"], 0.8)
+    print(f"vLLM vs transformers log-prob gap after a sync: {gap:.2e} nats (fp32)")
+    assert gap < 1e-3
+
+
+def test_adapter_synced_vllm_engine_decodes_as_the_merged_model(tmp_path, ray_local):
+    """Two adapter syncs (the second's adapter replaces the first's: a new
+    ``LoRARequest`` id), then greedy tokens equal the merged policy's and
+    the sampled log-probs are within fp32 rounding of it, away from the base."""
+    import ray
+    from peft import LoraConfig, get_peft_model
+
+    from ray_fsdp_backend.hf.adapter_stream import stream_adapters
+    from ray_fsdp_backend.rl import rollout_vllm
+    from ray_fsdp_backend.trainer.loop.grpo import engine_environment
+
+    path = tiny_llama(tmp_path / "llama")
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]  # qkv / gate_up: partly
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+    env = engine_environment(rollout_vllm, PYTHON)
+    engine = ray.remote(rollout_vllm.VLLMRollout).options(num_cpus=0, runtime_env=env)
+    engine = engine.remote(path, dtype="float32", lora=lora)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    policy = get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(path), LoraConfig(**lora)
+    )
+    sent = 0
+    for version in (1, 2):
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn_like(p) * 0.15)
+        for bucket in stream_adapters(policy, bucket_bytes=16 * 1024):
+            sent += ray.get(engine.load_weights.remote(bucket))
+        ray.get(engine.finish_sync.remote(version))
+    merged = policy.merge_and_unload().eval()
+    merged_bytes = sum(t.nbytes for t in merged.state_dict().values())
+    print(f"adapter syncs: {sent // 2:,} bytes each (merged model: {merged_bytes:,} bytes)")
+    greedy = ray.get(engine.generate.remote(PROMPTS, max_tokens=8, temperature=0.0))
+    assert greedy["version"] == 2
+    for prompt, (sample,) in zip(PROMPTS, greedy["samples"], strict=True):
+        expected = merged.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=3
+        )[0, len(prompt) :].tolist()
+        assert sample["token_ids"] == expected[: len(sample["token_ids"])]
+    sampled = ray.get(engine.generate.remote(PROMPTS, n=2, max_tokens=8, temperature=0.8, seed=1))
+    gap = _log_prob_gap(merged, sampled["samples"], 0.8)
+    print(f"vLLM (adapters) vs transformers (merged) log-prob gap: {gap:.2e} nats (fp32)")
+    assert gap < 1e-3
+    assert _log_prob_gap(base, sampled["samples"], 0.8) > 1e-2  # the adapter is applied
+
+
+def _log_prob_gap(model, samples: list, temperature: float) -> float:
+    """The largest |transformers - engine| log-prob of the sampled tokens."""
     gaps = []
-    for prompt, group in zip(PROMPTS, sampled["samples"], strict=True):
+    for prompt, group in zip(PROMPTS, samples, strict=True):
         for sample in group:
             ids = torch.tensor([prompt + sample["token_ids"]])
             with torch.no_grad():
-                logits = trained(ids).logits[0, len(prompt) - 1 : -1] / 0.8
+                logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
             ours = torch.log_softmax(logits, -1).gather(
                 -1, torch.tensor(sample["token_ids"]).unsqueeze(-1)
             )
             gaps.append((ours.squeeze(-1) - torch.tensor(sample["log_probs"])).abs().max())
-    gap = float(torch.stack(gaps).max())
-    print(f"vLLM vs transformers log-prob gap after a sync: {gap:.2e} nats (fp32)")
-    assert gap < 1e-3
+    return float(torch.stack(gaps).max())

@@ -5,6 +5,7 @@ rewards are loaded and checked; the prompt order resumes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -57,6 +58,15 @@ def test_the_example_passes(setup):
         ({"data": {"format": "chat"}}, "train.objective='grpo' needs data.format='prompts'"),
         ({"distributed": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size=2: not supported"),
         ({"model": {"lora": None}}, "train.grpo.kl_coef=0.02 needs model.lora"),
+        ({"rollout": {"sync": "lora"}}, "rollout.sync='lora' is not one of merged, adapters"),
+        (
+            {
+                "model": {"lora": None},
+                "train": {"grpo": {"kl_coef": 0}},
+                "rollout": {"sync": "adapters"},
+            },
+            "rollout.sync='adapters' needs model.lora",
+        ),
     ],
     ids=lambda v: None if isinstance(v, dict) else v[:30],
 )
@@ -88,6 +98,22 @@ def test_plan_prints_the_fleet_and_the_sync(setup, tmp_path, capsys):
     assert "objective: grpo, 32 samples a step (4 prompts x group 8), token mean" in out
     assert "rollout:  1 hf engine(s) (Ray actors), each 1 CPU 0 GPU, responses up to 24" in out
     assert "sync:" in out and "in 1 bucket(s) of at most" in out
+    merged = _sync_bytes(out)
+    assert "(fp32, adapters merged)" in out
+    doc = {**doc, "rollout": {**doc["rollout"], "sync": "adapters"}}
+    config.write_text(json.dumps(doc))
+    assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(fp32, adapters alone) in 1 bucket(s)" in out
+    # r 8 x (fan-in + fan-out) per adapted layer of the tiny Llama (hidden 32, kv 16, mlp 64):
+    # q 64, k 48, v 48, o 64, gate 96, up 96, down 96 = 512 x 8 = 4096 a block, 2 blocks, fp32
+    assert _sync_bytes(out) == 2 * 4096 * 4 < merged
+
+
+def _sync_bytes(out: str) -> float:
+    """The size ``plan``'s ``sync:`` line prints, in bytes."""
+    number, unit = re.search(r"sync: +([0-9.]+) (\w+) a step", out).groups()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
 def test_rollout_sections_refused_without_grpo(setup):

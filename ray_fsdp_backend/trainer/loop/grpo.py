@@ -15,8 +15,9 @@ Each step, in order (docs/rl.md):
    (``train.grpo.updates`` optimizer steps of the clipped loss, the KL to
    the adapters-disabled base with ``kl_coef``).
 5. **Weight sync**: :func:`~ray_fsdp_backend.rl.fleet.sync_weights` streams
-   the new weights (HF names, buckets of ``rollout.bucket_bytes``) to every
-   engine through the object store.
+   the new weights (HF names, buckets of ``rollout.bucket_bytes``; the LoRA
+   adapters alone with ``rollout.sync: adapters``) to every engine through
+   the object store.
 
 An engine that Ray restarted after a crash comes back with the
 checkpoint's weights: its weight version no longer matches, so the step
@@ -37,7 +38,7 @@ from ray_fsdp_backend.distributed.collectives import broadcast_from_rank0
 from ray_fsdp_backend.distributed.seeding import seed_step
 from ray_fsdp_backend.metrics.flops import format_progress
 from ray_fsdp_backend.metrics.reporting import TensorBoardWriter
-from ray_fsdp_backend.rl.fleet import RolloutFleet, StaleEngineError, sync_weights
+from ray_fsdp_backend.rl.fleet import RolloutFleet, StaleEngineError, SyncStats, sync_weights
 from ray_fsdp_backend.rl.grpo import dp_share, policy_update, rollout_rows
 from ray_fsdp_backend.trainer.loop.checkpoints import CheckpointHooks
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
@@ -129,9 +130,7 @@ def run_grpo(
             chunk_tokens=opts.loss_chunk_tokens,
         )  # fmt: skip
         schedule.step()
-        sync = sync_weights(
-            ctx, model, side.fleet if side else None, bucket_bytes=rollout.bucket_bytes
-        )
+        sync = _sync(ctx, model, side, rollout)
         if (
             step % opts.log_every == 0
             or step in (start_step + 1, opts.steps)
@@ -208,9 +207,7 @@ def _rollout(ctx, model, side, sampler, spec, step, synced, last_sync):
     for _ in range(ROLLOUT_TRIES):
         stale = broadcast_from_rank0(lambda: side.fleet.stale()) or not synced
         if stale:
-            sync = sync_weights(
-                ctx, model, side.fleet if side else None, bucket_bytes=spec.rollout.bucket_bytes
-            )
+            sync = _sync(ctx, model, side, spec.rollout)
             synced = True
         # A reward function's error on rank 0 is raised on every rank.
         batch = broadcast_from_rank0(lambda: side.sample(indices, step))
@@ -218,6 +215,15 @@ def _rollout(ctx, model, side, sampler, spec, step, synced, last_sync):
             return batch, sync
         synced = False
     raise RuntimeError(f"step {step}: the rollout engines stayed stale after {ROLLOUT_TRIES} syncs")
+
+
+def _sync(ctx, model, side, rollout) -> SyncStats:
+    """The policy's weights (or its adapters: ``rollout.sync``) to rank 0's
+    engines (collective)."""
+    return sync_weights(
+        ctx, model, side.fleet if side else None, bucket_bytes=rollout.bucket_bytes,
+        adapters=rollout.sync == "adapters",
+    )  # fmt: skip
 
 
 def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[str, float]:
@@ -246,7 +252,9 @@ def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[s
 
 
 def start_engines(spec: RunSpec) -> list:
-    """The run's rollout engine actors (restarted by Ray if they die)."""
+    """The run's rollout engine actors (restarted by Ray if they die); with
+    ``rollout.sync: adapters`` each is built with the run's LoRA config, to
+    apply the adapters a sync sends to the checkpoint's base."""
     import ray
 
     rollout = spec.rollout
@@ -265,9 +273,10 @@ def start_engines(spec: RunSpec) -> list:
     engine_class = module.VLLMRollout if rollout.engine == "vllm" else module.HFRollout
     engine = ray.remote(engine_class)
     run = uuid.uuid4().hex[:8]
+    lora = spec.model.lora.peft_kwargs() if rollout.sync == "adapters" else None
     return [
         engine.options(name=f"rfb-rollout-{run}-{i}", **options).remote(
-            spec.model.pretrained, dtype=rollout.dtype
+            spec.model.pretrained, dtype=rollout.dtype, lora=lora
         )
         for i in range(rollout.replicas)
     ]

@@ -81,6 +81,16 @@ class LoraOptions:
             base_quantization=quantization,
         )
 
+    def peft_kwargs(self) -> dict[str, Any]:
+        """``peft.LoraConfig``'s keyword arguments for these options (plain
+        values: a rollout engine in another environment builds the same config)."""
+        return dict(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+        )
+
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -97,13 +107,7 @@ def apply_lora(base: nn.Module, options: LoraOptions) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     check_targets(base, options.target_modules)
-    config = LoraConfig(
-        r=options.r,
-        lora_alpha=options.alpha,
-        lora_dropout=options.dropout,
-        target_modules=list(options.target_modules),
-    )
-    return get_peft_model(base, config)
+    return get_peft_model(base, LoraConfig(**options.peft_kwargs()))
 
 
 def check_targets(base: nn.Module, targets: tuple[str, ...]) -> None:

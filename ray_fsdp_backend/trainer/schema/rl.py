@@ -12,6 +12,7 @@ Next to ``train.grpo:`` (:class:`~ray_fsdp_backend.settings.policy.PolicyOptions
       top_p: 1.0
       max_tokens: 32             # longest response sampled
       bucket_bytes: 512MB        # weight sync bucket (ctx.stream_weights)
+      sync: merged               # merged | adapters (model.lora: the adapters alone)
     reward: my_rewards:exact     # module:function (or {function: ..., chunk: 64})
     data:
       format: prompts            # records with a prompt (text or chat messages)
@@ -32,6 +33,7 @@ from typing import Any
 from ray_fsdp_backend.settings.checks import build_checked, parse_size
 
 ENGINES = ("hf", "vllm")
+SYNCS = ("merged", "adapters")
 PROMPTS_FORMAT = "prompts"
 
 
@@ -60,6 +62,11 @@ class RolloutOptions:
     """The longest response sampled (tokens)."""
     bucket_bytes: int | str = "512MB"
     """Bytes per weight-sync bucket (``ctx.stream_weights``)."""
+    sync: str = "merged"
+    """What a weight sync sends: ``merged``, the whole model with the LoRA
+    adapters merged into its weights; ``adapters`` (needs ``model.lora``),
+    the adapters alone under PEFT's names: the engines keep the checkpoint's
+    base and apply them (transformers: a PEFT model; vLLM: a ``LoRARequest``)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,8 @@ def _rollout_problem(key: str, value: Any) -> str | None:
         return "must be a positive number (the trainer's log-probs are at that temperature)"
     if key == "top_p" and not (is_number and 0 < value <= 1):
         return "must be a number in (0, 1]"
+    if key == "sync" and value not in SYNCS:
+        return f"is not one of {', '.join(SYNCS)}"
     if key == "dtype" and value not in ("float32", "bfloat16"):
         return "is not one of float32, bfloat16"
     if key == "python" and value is not None and not (isinstance(value, str) and value):
@@ -166,6 +175,11 @@ def rl_errors(built: Mapping[str, Any]) -> list[str]:
         errors.append(
             f"train.grpo.kl_coef={train.grpo.kl_coef} needs model.lora: the KL's reference is "
             "the base with the adapters disabled (a frozen full copy is not built for RL)"
+        )
+    if rollout is not None and rollout.sync == "adapters" and model is not None and not lora:
+        errors.append(
+            "rollout.sync='adapters' needs model.lora: without LoRA adapters there is only "
+            "the whole model to send (rollout.sync: merged)"
         )
     if train.grpo.normalisation == "fixed" and rollout is None:
         errors.append("train.grpo.normalisation='fixed' needs rollout.max_tokens")
