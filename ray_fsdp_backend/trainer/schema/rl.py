@@ -12,6 +12,7 @@ Next to ``train.grpo:`` (:class:`~ray_fsdp_backend.settings.policy.PolicyOptions
       top_p: 1.0
       max_tokens: 32             # longest response sampled
       bucket_bytes: 512MB        # weight sync bucket (ctx.stream_weights)
+      transport: object_store    # object_store | collective (a gloo / NCCL group)
     reward: my_rewards:exact     # module:function (or {function: ..., chunk: 64})
     data:
       format: prompts            # records with a prompt (text or chat messages)
@@ -32,6 +33,8 @@ from typing import Any
 from ray_fsdp_backend.settings.checks import build_checked, parse_size
 
 ENGINES = ("hf", "vllm")
+TRANSPORTS = ("object_store", "collective")
+"""``rollout.transport``'s values (:mod:`ray_fsdp_backend.rl.transport`)."""
 PROMPTS_FORMAT = "prompts"
 
 
@@ -60,6 +63,10 @@ class RolloutOptions:
     """The longest response sampled (tokens)."""
     bucket_bytes: int | str = "512MB"
     """Bytes per weight-sync bucket (``ctx.stream_weights``)."""
+    transport: str = "object_store"
+    """How the buckets reach the engines: ``object_store`` (Ray's: any
+    hardware, any node) or ``collective`` (a process group of the trainer's
+    rank 0 and the engines: NCCL when both are on GPUs, gloo otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ def _rollout_problem(key: str, value: Any) -> str | None:
     is_number = (is_int or isinstance(value, float)) and math.isfinite(value)
     if key == "engine" and value not in ENGINES:
         return f"is not one of {', '.join(ENGINES)}"
+    if key == "transport" and value not in TRANSPORTS:
+        return f"is not one of {', '.join(TRANSPORTS)}"
     if key in ("replicas", "max_tokens") and not (is_int and value >= 1):
         return "must be an int >= 1"
     if key in ("num_cpus", "num_gpus") and not (is_number and value >= 0):
