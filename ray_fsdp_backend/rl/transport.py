@@ -31,19 +31,16 @@ from ray_fsdp_backend.rl import weight_group
 from ray_fsdp_backend.rl.weight_group import WeightGroup
 
 
-class ObjectStoreTransport:
-    """Buckets through Ray's object store: put once, loaded by every engine."""
+class Transport:
+    """A sync's buckets to ``engines``: :meth:`put` each (rank 0), then :meth:`finish`."""
 
     def __init__(self, engines: list) -> None:
         self.engines = engines
         self._in_flight: list[list] = []
+        """Per bucket not yet waited for, the engines' calls that take it."""
 
     def put(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        import ray
-
-        ref = ray.put([(name, tensor.cpu()) for name, tensor in bucket])
-        self._in_flight.append([engine.load_weights.remote(ref) for engine in self.engines])
-        self._wait(keep=1)
+        raise NotImplementedError
 
     def _wait(self, *, keep: int) -> None:
         """Wait for the engines' calls of all but the last ``keep`` buckets."""
@@ -57,7 +54,18 @@ class ObjectStoreTransport:
         self._wait(keep=0)
 
 
-class CollectiveTransport(ObjectStoreTransport):
+class ObjectStoreTransport(Transport):
+    """Buckets through Ray's object store: put once, loaded by every engine."""
+
+    def put(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        import ray
+
+        ref = ray.put([(name, tensor.cpu()) for name, tensor in bucket])
+        self._in_flight.append([engine.load_weights.remote(ref) for engine in self.engines])
+        self._wait(keep=1)
+
+
+class CollectiveTransport(Transport):
     """Buckets broadcast over a :class:`~.weight_group.WeightGroup` (gloo or NCCL)."""
 
     def __init__(self, engines: list, *, timeout_s: float = 600.0) -> None:
@@ -104,18 +112,13 @@ class CollectiveTransport(ObjectStoreTransport):
         self.group = group.join(0, host)
         ray.get(joins)
 
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-
 
 TRANSPORTS = {"object_store": ObjectStoreTransport, "collective": CollectiveTransport}
 """The transports by ``rollout.transport`` name (the schema checks the name
 before Ray starts)."""
 
 
-def build_transport(name: str, engines: list) -> ObjectStoreTransport:
+def build_transport(name: str, engines: list) -> Transport:
     """The transport ``rollout.transport`` names, for ``engines``.
 
     Raises:

@@ -91,6 +91,12 @@ def test_plan_prints_the_fleet_and_the_sync(setup, tmp_path, capsys):
     assert "objective: grpo, 32 samples a step (4 prompts x group 8), token mean" in out
     assert "rollout:  1 hf engine(s) (Ray actors), each 1 CPU 0 GPU, responses up to 24" in out
     assert "sync:" in out and "in 1 bucket(s) of at most" in out
+    assert "to each of 1 engine(s) through Ray's object store" in out
+    doc = json.loads(json.dumps(doc))
+    doc["rollout"]["transport"] = "collective"
+    config.write_text(json.dumps(doc))
+    assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    assert "broadcast over a weight group (NCCL on GPUs, else gloo)" in capsys.readouterr().out
 
 
 def test_rollout_sections_refused_without_grpo(setup):
