@@ -21,6 +21,8 @@ keep at most two buckets in flight.
   calls, the store on the node IP Ray reports for rank 0, so engines on
   other nodes reach it. An engine that dies during a sync fails that sync
   (the object store's loads are retried on the restarted engine instead).
+  NCCL wants every member on a GPU of its own: an engine sharing the
+  trainer's GPU (colocated) would need CUDA IPC, which is not built.
 """
 
 from __future__ import annotations
