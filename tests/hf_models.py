@@ -3,11 +3,20 @@ and the batch every comparison runs."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ray_fsdp_backend.models.tiny_pretrained import VOCAB, save_tiny_pretrained, tiny_config
 
-__all__ = ["VOCAB", "input_ids", "save_tiny_pretrained", "tiny_config"]
+__all__ = [
+    "VOCAB",
+    "fine_tune",
+    "input_ids",
+    "read_safetensors",
+    "save_tiny_pretrained",
+    "tiny_config",
+]
 
 
 def input_ids(batch: int = 2, seq: int = 16, seed: int = 3) -> torch.Tensor:
@@ -24,3 +33,14 @@ def fine_tune(model, rank: int, world: int, steps: int = 2) -> None:
         opt.zero_grad()
         model(mine, labels=mine).loss.backward()
         opt.step()
+
+
+def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face checkpoint directory's safetensors files."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+    return tensors

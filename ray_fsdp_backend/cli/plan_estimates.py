@@ -264,6 +264,10 @@ def format_rollout(spec: RunSpec) -> list[str]:
         what = f"{model.base_dtype}, adapters merged" if model.lora else model.base_dtype
     bucket = parse_size(rollout.bucket_bytes, "rollout.bucket_bytes")
     clip = f"{grpo.clip_low:g}" + (f"/{grpo.clip_high:g}" if grpo.clip_high else "")
+    route = {
+        "object_store": "through Ray's object store",
+        "collective": "broadcast over a weight group (NCCL on GPUs, else gloo)",
+    }[rollout.transport]
     return [
         f"objective: grpo, {samples} samples a step ({grpo.prompts_per_step} prompts x "
         f"group {grpo.group_size}), {grpo.normalisation} mean, clip {clip}, "
@@ -273,7 +277,7 @@ def format_rollout(spec: RunSpec) -> list[str]:
         f"{rollout.max_tokens} tokens",
         f"sync:     {format_bytes(sync)} a step ({what}) in "
         f"{math.ceil(sync / bucket)} bucket(s) of at most {format_bytes(bucket)}, to each of "
-        f"{rollout.replicas} engine(s) through Ray's object store",
+        f"{rollout.replicas} engine(s) {route}",
     ]
 
 

@@ -8,7 +8,8 @@
 - :mod:`.rewards`: ``module:function`` rewards run in Ray tasks.
 - :mod:`.rollout_hf`, :mod:`.rollout_vllm`: the rollout engines (Ray actors
   that import nothing of this package); :mod:`.fleet`: sampling across them
-  and the weight sync from ``ctx.stream_weights``.
+  and the weight sync from ``ctx.stream_weights``, through :mod:`.transport`
+  (Ray's object store, or a :mod:`.weight_group`: gloo / NCCL).
 
 docs/rl.md has the loop and the engine contract verl / NeMo-RL adapters map to.
 """

@@ -8,14 +8,10 @@ restarted after a crash (``max_restarts``) comes back with the checkpoint's
 weights, so the fleet reports it stale and the loop syncs again before
 sampling. :func:`sync_weights` is collective: every trainer rank iterates
 ``ctx.stream_weights`` (each bucket is gathered from the shards), and rank
-0 puts each bucket in Ray's object store once and has every engine load
-it; it waits for bucket ``k - 1``'s loads before putting bucket ``k + 1``,
-so at most two buckets are in flight.
-
-Transport: Ray's object store (any hardware: the engines may run on other
-nodes). On GPUs, an NCCL group between rank 0 and vLLM's workers (vLLM's
-weight-transfer API) would skip the host copies; not built here (no GPU to
-prove it on; docs/rl.md).
+0 hands each bucket to the fleet's transport (:mod:`.transport`): Ray's
+object store (``rollout.transport: object_store``, any hardware and node)
+or a process group of rank 0 and the engines (``collective``: gloo, or
+NCCL on GPUs). At most two buckets are in flight.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from ray_fsdp_backend.distributed.collectives import agreed
+from ray_fsdp_backend.rl.transport import build_transport
 
 
 @dataclass
@@ -37,12 +34,15 @@ class StaleEngineError(RuntimeError):
 
 
 class RolloutFleet:
-    """Rollout engine actors (all with :class:`~.rollout_hf.HFRollout`'s methods)."""
+    """Rollout engine actors (all with :class:`~.rollout_hf.HFRollout`'s
+    methods); ``transport`` is how weight syncs reach them
+    (:func:`~.transport.build_transport`: ``object_store`` | ``collective``)."""
 
-    def __init__(self, engines: list) -> None:
+    def __init__(self, engines: list, *, transport: str = "object_store") -> None:
         if not engines:
             raise ValueError("a rollout fleet needs at least one engine")
         self.engines = list(engines)
+        self.transport = build_transport(transport, self.engines)
         self.version = 0
         """Syncs done since the engines were created (an engine's own count)."""
 
@@ -93,19 +93,14 @@ def sync_weights(
     import ray
 
     start, sent = time.perf_counter(), 0
-    in_flight: list[list] = []
     for bucket in ctx.stream_weights(model, bucket_bytes=bucket_bytes, adapters=adapters):
         sent += sum(t.nbytes for _, t in bucket)
         with agreed("sending a weight bucket to the rollout engines"):
             if fleet is not None:
-                ref = ray.put([(name, tensor.cpu()) for name, tensor in bucket])
-                in_flight.append([engine.load_weights.remote(ref) for engine in fleet.engines])
-                if len(in_flight) > 1:
-                    ray.get(in_flight.pop(0))
+                fleet.transport.put(bucket)
     with agreed("finishing the rollout engines' weight sync"):
         if fleet is not None:
-            for loads in in_flight:
-                ray.get(loads)
+            fleet.transport.finish()
             fleet.version += 1
             ray.get([engine.finish_sync.remote(fleet.version) for engine in fleet.engines])
     return SyncStats(time.perf_counter() - start, sent)

@@ -3,7 +3,10 @@
 The same interface as the vLLM engine (:mod:`.rollout_vllm`): the trainer's
 loop calls :meth:`HFRollout.generate` with prompt token ids and sampling
 parameters, and :meth:`HFRollout.load_weights` with the buckets of
-``ctx.stream_weights`` (Hugging Face names, full tensors). It runs as a Ray
+``ctx.stream_weights`` (Hugging Face names, full tensors) or, with
+``rollout.transport: collective``, :meth:`HFRollout.receive_weights` with
+each bucket's manifest, its tensors broadcast over the weight group the
+engine joined (:meth:`HFRollout.join_weight_group`). It runs as a Ray
 actor (``ray.remote(HFRollout)``), in a Python environment of its own if
 need be: this module imports nothing of ``ray_fsdp_backend`` (a test keeps
 it so), only torch and transformers.
@@ -66,6 +69,8 @@ class HFRollout:
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.version = 0
         """The weights' version: 0 the checkpoint's, then the trainer's sync count."""
+        self.weight_group = None
+        """The trainer's weight group this engine joined (a collective sync's)."""
 
     def generate(
         self,
@@ -132,6 +137,26 @@ class HFRollout:
             for name, tensor in bucket:
                 self.weights[name].copy_(tensor)
         return sum(t.nbytes for _, t in bucket)
+
+    def weight_receiver(self) -> dict:
+        """What a collective sync asks first: the ranks this engine takes in
+        a weight group, its device type and the group it is in (None: none)."""
+        group = self.weight_group.address.name if self.weight_group else None
+        return {"ranks": 1, "device": self.device.type, "group": group}
+
+    def join_weight_group(self, group, rank: int) -> None:
+        """Join the trainer's weight group (a ``WeightGroup``, sent by value)
+        as ``rank``; returns once every member has joined."""
+        import ray
+
+        self.weight_group = group.join(rank, ray.util.get_node_ip_address())
+
+    def receive_weights(self, manifest: list) -> int:
+        """Receive the bucket ``manifest`` names from the weight group and
+        load it (:meth:`load_weights`); returns its bytes."""
+        if self.weight_group is None:
+            raise RuntimeError("receive_weights: this engine has joined no weight group")
+        return self.load_weights(self.weight_group.receive(manifest))
 
     def finish_sync(self, version: int) -> None:
         """Mark a weight sync complete: the engine now holds weight ``version``."""

@@ -28,10 +28,39 @@ a temporary directory of the actor, loaded with ``add_lora`` under a
 ``LoRARequest`` whose id is the sync's version (a new id each sync: vLLM
 caches adapters by id), and every later request is generated with it; the
 previous sync's adapter is removed.
+
+With ``rollout.transport: collective`` the buckets skip Ray: each vLLM
+worker joins the trainer's weight group (``ray_fsdp_backend.rl.weight_group``,
+which the trainer sends by value: gloo, or NCCL on GPUs) and receives each
+bucket's tensors there, into buffers it allocates from the manifest the
+actor passes on; the worker holds them and reloads once at
+:meth:`VLLMRollout.finish_sync`, as for the object store. vLLM 0.32 has a
+weight-transfer API of its own (``vllm.distributed.weight_transfer``:
+engines by name in ``WeightTransferEngineFactory``, driven through the
+worker's ``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update``). We receive through
+``collective_rpc`` into the worker instead, for three reasons:
+
+- A custom engine registers "at runtime" in the process that builds it,
+  vLLM's worker, and the worker builds it at model load, before any call
+  of ours reaches that process: in a Ray actor vLLM always spawns its
+  engine core (``_maybe_force_spawn``: "In a Ray actor and can only be
+  spawned"), so a registration in the actor is lost, and only a vLLM
+  plugin (an entry point installed in vLLM's environment) runs there in
+  time. This module travels by value; nothing of ours is installed there.
+- Its built-in ``nccl`` engine talks over vLLM's ``PyNcclCommunicator``
+  (CUDA only, not a torch process group: no gloo to prove it on CPU), and
+  its trainer half (``NCCLTrainerWeightTransferEngine``) imports vLLM,
+  which the trainer's environment does not have.
+- The protocol is the same: an init that joins a group, a manifest per
+  update (names, dtypes, shapes) and broadcasts from rank 0, a finish;
+  ``collective_rpc`` carries exactly those control messages, which is
+  what vLLM recommends it for.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -44,8 +73,38 @@ def _reload(worker, blob: bytes) -> None:
     argument's tensors over as plain ``[dtype, shape, data]`` lists."""
     import pickle
 
-    weights = pickle.loads(blob)
+    _load(worker, pickle.loads(blob))
+
+
+def _load(worker, weights: list) -> None:
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+
+def _device(worker) -> str:
+    return worker.device.type
+
+
+def _join(worker, blob: bytes, first_rank: int, node_ip: str) -> None:
+    """Run in vLLM's worker: join the weight group (cloudpickled: its class
+    came by value) as ``first_rank`` plus the worker's own rank."""
+    from ray import cloudpickle
+
+    worker.rfb_weight_group = cloudpickle.loads(blob).join(first_rank + worker.rank, node_ip)
+    worker.rfb_received = []
+
+
+def _receive(worker, blob: bytes) -> None:
+    """Run in vLLM's worker: receive the pickled manifest's bucket; held
+    until :func:`_reload_received`."""
+    import pickle
+
+    worker.rfb_received.extend(worker.rfb_weight_group.receive(pickle.loads(blob)))
+
+
+def _reload_received(worker) -> None:
+    weights, worker.rfb_received = getattr(worker, "rfb_received", []), []
+    if weights:
+        _load(worker, weights)
 
 
 class VLLMRollout:
@@ -97,6 +156,9 @@ class VLLMRollout:
         self.adapter = None
         """The ``LoRARequest`` of the last adapter sync (None: the checkpoint's base)."""
         self._adapters_dir = tempfile.mkdtemp(prefix="rfb-vllm-lora-") if lora else None
+        self._group: str | None = None
+        """The name of the weight group the workers joined (None: none)."""
+        self._received = False
 
     def generate(
         self,
@@ -154,6 +216,37 @@ class VLLMRollout:
         self._pending.extend(bucket)
         return sum(t.nbytes for _, t in bucket)
 
+    def weight_receiver(self) -> dict:
+        """As :meth:`HFRollout.weight_receiver
+        <ray_fsdp_backend.rl.rollout_hf.HFRollout.weight_receiver>`: one rank
+        per vLLM worker."""
+        devices = self.llm.collective_rpc(_device)
+        return {"ranks": len(devices), "device": devices[0], "group": self._group}
+
+    def join_weight_group(self, group, rank: int) -> None:
+        """Every worker joins the trainer's weight group, from ``rank`` on."""
+        import ray
+        from ray import cloudpickle
+
+        blob = cloudpickle.dumps(group)
+        self.llm.collective_rpc(_join, args=(blob, rank, ray.util.get_node_ip_address()))
+        self._group = group.address.name
+
+    def receive_weights(self, manifest: list) -> int:
+        """Every worker receives the bucket ``manifest`` names from the weight
+        group; loaded at :meth:`finish_sync`. Returns its bytes."""
+        import pickle
+
+        import torch
+
+        if self._group is None:
+            raise RuntimeError("receive_weights: this engine has joined no weight group")
+        self.llm.collective_rpc(_receive, args=(pickle.dumps(manifest),))
+        self._received = True
+        return sum(
+            getattr(torch, dtype).itemsize * math.prod(shape) for _, dtype, shape in manifest
+        )
+
     def finish_sync(self, version: int) -> None:
         """Reload the model with the sync's weights (or, built with
         ``lora``, load the sync's adapter); it now holds ``version``."""
@@ -163,7 +256,9 @@ class VLLMRollout:
             self._load_adapter(version)
         elif self._pending:
             self.llm.collective_rpc(_reload, args=(pickle.dumps(self._pending),))
-        self._pending = []
+        if self._received:
+            self.llm.collective_rpc(_reload_received)
+        self._pending, self._received = [], False
         self.version = version
 
     def _load_adapter(self, version: int) -> None:

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ray_fsdp_backend import FSDPConfig, build_strategy, load_pretrained
 from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
@@ -18,7 +17,7 @@ from ray_fsdp_backend.hf.models import build_causal_lm
 from ray_fsdp_backend.hf.stream import stream_weights
 from ray_fsdp_backend.planning.topology import topology_from_node_counts
 from tests.dist.harness import run_ranks
-from tests.hf_models import fine_tune, save_tiny_pretrained
+from tests.hf_models import fine_tune, read_safetensors, save_tiny_pretrained
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -74,18 +73,10 @@ def runs(tmp_path_factory) -> dict:
     return run_ranks(_ranks, 2, str(root), timeout_s=300)
 
 
-def _exported(directory: str) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(directory, name)))
-    return tensors
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_streamed_tensors_equal_the_export_bit_for_bit(runs, layout):
     run = runs[layout]
-    exported = _exported(run["export"])
+    exported = read_safetensors(run["export"])
     streamed = [pair for bucket in run["buckets"] for pair in bucket]
     names = [name for name, _ in streamed]
     assert len(names) == len(set(names))

@@ -5,7 +5,9 @@ model and its sampled tokens' log-probs are within fp32 rounding of
 transformers' ``log_softmax`` (the gap is printed). The same after an
 adapter-only sync (``rollout.sync: adapters``: the LoRA adapters as
 ``ctx.stream_weights(model, adapters=True)`` yields them, applied by vLLM
-as a ``LoRARequest``), against the merged model.
+as a ``LoRARequest``), against the merged model. After a collective
+sync (``rollout.transport: collective``: the buckets broadcast over a gloo
+weight group into vLLM's worker) its greedy tokens equal transformers' too.
 
 Opt-in: vLLM needs its own environment (``bash .ci/vllm_venv.sh``, about
 4 GB and minutes to install; its engine takes about 90 s to start on 2
@@ -43,7 +45,9 @@ def tiny_llama(path) -> str:
     return str(path)
 
 
-def test_synced_vllm_engine_decodes_as_the_trainer_model(tmp_path, ray_local):
+def _engine_and_trained_model(tmp_path):
+    """A vLLM engine actor on the tiny Llama's checkpoint, and that model in
+    transformers with its weights moved (what a sync must carry)."""
     import ray
 
     from ray_fsdp_backend.rl import rollout_vllm
@@ -57,10 +61,13 @@ def test_synced_vllm_engine_decodes_as_the_trainer_model(tmp_path, ray_local):
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(torch.randn_like(p) * 0.2)
-    state = list(trained.state_dict().items())
-    for start in range(0, len(state), 5):
-        ray.get(engine.load_weights.remote(state[start : start + 5]))
-    ray.get(engine.finish_sync.remote(1))
+    return engine, trained
+
+
+def _assert_greedy_as(engine, trained) -> None:
+    """The engine, synced as weight version 1, decodes greedily as ``trained``."""
+    import ray
+
     greedy = ray.get(engine.generate.remote(PROMPTS, max_tokens=8, temperature=0.0))
     assert greedy["version"] == 1
     for prompt, (sample,) in zip(PROMPTS, greedy["samples"], strict=True):
@@ -68,6 +75,17 @@ def test_synced_vllm_engine_decodes_as_the_trainer_model(tmp_path, ray_local):
             torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=3
         )[0, len(prompt) :].tolist()
         assert sample["token_ids"] == expected[: len(sample["token_ids"])]
+
+
+def test_synced_vllm_engine_decodes_as_the_trainer_model(tmp_path, ray_local):
+    import ray
+
+    engine, trained = _engine_and_trained_model(tmp_path)
+    state = list(trained.state_dict().items())
+    for start in range(0, len(state), 5):
+        ray.get(engine.load_weights.remote(state[start : start + 5]))
+    ray.get(engine.finish_sync.remote(1))
+    _assert_greedy_as(engine, trained)
     sampled = ray.get(engine.generate.remote(PROMPTS, n=2, max_tokens=8, temperature=0.8, seed=1))
     gap = _log_prob_gap(trained, sampled["samples"], 0.8)
     print(f"vLLM vs transformers log-prob gap after a sync: {gap:.2e} nats (fp32)")
@@ -134,3 +152,22 @@ def _log_prob_gap(model, samples: list, temperature: float) -> float:
             )
             gaps.append((ours.squeeze(-1) - torch.tensor(sample["log_probs"])).abs().max())
     return float(torch.stack(gaps).max())
+
+
+def test_a_collective_sync_over_gloo_makes_vllm_decode_as_the_trainer_model(tmp_path, ray_local):
+    """``rollout.transport: collective`` into vLLM's worker: the weight group
+    (gloo on CPU) between this process, as the trainer's rank 0, and the
+    engine's worker; the buckets broadcast there, reloaded once at the end."""
+    import ray
+
+    from ray_fsdp_backend.rl.fleet import RolloutFleet
+
+    engine, trained = _engine_and_trained_model(tmp_path)
+    fleet = RolloutFleet([engine], transport="collective")
+    state = list(trained.state_dict().items())
+    for start in range(0, len(state), 5):
+        fleet.transport.put(state[start : start + 5])
+    fleet.transport.finish()
+    assert fleet.transport.group.address.backend == "gloo"
+    ray.get(engine.finish_sync.remote(1))
+    _assert_greedy_as(engine, trained)

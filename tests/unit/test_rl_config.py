@@ -53,6 +53,10 @@ def test_the_example_passes(setup):
         ({"rollout": {"engine": "sglang"}}, "rollout.engine='sglang' is not one of hf, vllm"),
         ({"rollout": {"temperature": 0}}, "rollout.temperature=0 must be a positive number"),
         ({"rollout": {"bucket_bytes": "lots"}}, "rollout.bucket_bytes='lots' is not a positive"),
+        (
+            {"rollout": {"transport": "nccl"}},
+            "rollout.transport='nccl' is not one of object_store, collective",
+        ),
         ({"reward": "no_colon"}, "reward.function='no_colon' must be 'module:function'"),
         ({"reward": None}, "train.objective='grpo' needs reward: module:function"),
         ({"data": {"format": "chat"}}, "train.objective='grpo' needs data.format='prompts'"),
@@ -66,6 +70,10 @@ def test_the_example_passes(setup):
                 "rollout": {"sync": "adapters"},
             },
             "rollout.sync='adapters' needs model.lora",
+        ),
+        (
+            {"rollout": {"sync": "adapters", "transport": "collective"}},
+            "rollout.sync='adapters' with rollout.transport='collective'",
         ),
     ],
     ids=lambda v: None if isinstance(v, dict) else v[:30],
@@ -100,6 +108,12 @@ def test_plan_prints_the_fleet_and_the_sync(setup, tmp_path, capsys):
     assert "sync:" in out and "in 1 bucket(s) of at most" in out
     merged = _sync_bytes(out)
     assert "(fp32, adapters merged)" in out
+    assert "to each of 1 engine(s) through Ray's object store" in out
+    collective = json.loads(json.dumps(doc))
+    collective["rollout"]["transport"] = "collective"
+    config.write_text(json.dumps(collective))
+    assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    assert "broadcast over a weight group (NCCL on GPUs, else gloo)" in capsys.readouterr().out
     doc = {**doc, "rollout": {**doc["rollout"], "sync": "adapters"}}
     config.write_text(json.dumps(doc))
     assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0

@@ -1,7 +1,8 @@
 """The transformers rollout engine on a tiny chat Llama: its samples'
 log-probs are the sampling distribution's, seeded, cut at the end of
-sequence; a weight sync in buckets makes it the synced model; it imports
-nothing of the package (it may run in an environment of its own)."""
+sequence; a weight sync in buckets makes it the synced model; it, the vLLM
+engine and the weight group's code they receive by value import nothing of
+the package (they may run in an environment of its own)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from ray_fsdp_backend.rl import rollout_hf
+from ray_fsdp_backend.rl import rollout_hf, rollout_vllm, weight_group
 from ray_fsdp_backend.rl.rollout_hf import HFRollout
 from tests.hf_models import save_tiny_pretrained
 
@@ -83,8 +84,11 @@ def test_weights_synced_in_buckets_make_it_the_synced_model(path):
         engine.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
 
 
-def test_the_engine_imports_nothing_of_the_package():
-    tree = ast.parse(inspect.getsource(rollout_hf))
+@pytest.mark.parametrize(
+    "module", [rollout_hf, rollout_vllm, weight_group], ids=lambda m: m.__name__.rsplit(".")[-1]
+)
+def test_the_engine_imports_nothing_of_the_package(module):
+    tree = ast.parse(inspect.getsource(module))
     imported = {
         alias.name if isinstance(node, ast.Import) else node.module
         for node in ast.walk(tree)

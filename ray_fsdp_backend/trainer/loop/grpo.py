@@ -166,7 +166,7 @@ class _RankZero:
         self.prompts = read_prompts(
             spec.data.path, self.tokenizer, **prompt_options(spec.data, spec.model, spec.rollout)
         )
-        self.fleet = RolloutFleet(start_engines(spec))
+        self.fleet = RolloutFleet(start_engines(spec), transport=spec.rollout.transport)
 
     def sample(self, indices: list[int], step: int):
         """Prompts, samples and rewards of one step (None: an engine was stale)."""

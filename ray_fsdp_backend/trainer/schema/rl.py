@@ -13,6 +13,7 @@ Next to ``train.grpo:`` (:class:`~ray_fsdp_backend.settings.policy.PolicyOptions
       max_tokens: 32             # longest response sampled
       bucket_bytes: 512MB        # weight sync bucket (ctx.stream_weights)
       sync: merged               # merged | adapters (model.lora: the adapters alone)
+      transport: object_store    # object_store | collective (a gloo / NCCL group)
     reward: my_rewards:exact     # module:function (or {function: ..., chunk: 64})
     data:
       format: prompts            # records with a prompt (text or chat messages)
@@ -34,6 +35,8 @@ from ray_fsdp_backend.settings.checks import build_checked, parse_size
 
 ENGINES = ("hf", "vllm")
 SYNCS = ("merged", "adapters")
+TRANSPORTS = ("object_store", "collective")
+"""``rollout.transport``'s values (:mod:`ray_fsdp_backend.rl.transport`)."""
 PROMPTS_FORMAT = "prompts"
 
 
@@ -67,6 +70,10 @@ class RolloutOptions:
     adapters merged into its weights; ``adapters`` (needs ``model.lora``),
     the adapters alone under PEFT's names: the engines keep the checkpoint's
     base and apply them (transformers: a PEFT model; vLLM: a ``LoRARequest``)."""
+    transport: str = "object_store"
+    """How the buckets reach the engines: ``object_store`` (Ray's: any
+    hardware, any node) or ``collective`` (a process group of the trainer's
+    rank 0 and the engines: NCCL when both are on GPUs, gloo otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,8 @@ def _rollout_problem(key: str, value: Any) -> str | None:
     is_number = (is_int or isinstance(value, float)) and math.isfinite(value)
     if key == "engine" and value not in ENGINES:
         return f"is not one of {', '.join(ENGINES)}"
+    if key == "transport" and value not in TRANSPORTS:
+        return f"is not one of {', '.join(TRANSPORTS)}"
     if key in ("replicas", "max_tokens") and not (is_int and value >= 1):
         return "must be an int >= 1"
     if key in ("num_cpus", "num_gpus") and not (is_number and value >= 0):
@@ -180,6 +189,11 @@ def rl_errors(built: Mapping[str, Any]) -> list[str]:
         errors.append(
             "rollout.sync='adapters' needs model.lora: without LoRA adapters there is only "
             "the whole model to send (rollout.sync: merged)"
+        )
+    if rollout is not None and rollout.sync == "adapters" and rollout.transport == "collective":
+        errors.append(
+            "rollout.sync='adapters' with rollout.transport='collective': the adapters (a few "
+            "MB) go through the object store (rollout.transport: object_store)"
         )
     if train.grpo.normalisation == "fixed" and rollout is None:
         errors.append("train.grpo.normalisation='fixed' needs rollout.max_tokens")
