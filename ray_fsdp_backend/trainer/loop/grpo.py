@@ -232,6 +232,7 @@ def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[s
         "clip_fraction": update["clip_fraction"],
         "kl": update["kl"],
         "log_prob_gap": update["log_prob_gap"],
+        "entropy": update["entropy"],
         "skipped_steps": update["skipped"],
     }
     metrics = {"step": step, **meter.measure(step, mean={"loss": update["loss"]}, same=same)}
