@@ -51,6 +51,7 @@ def test_the_example_passes(setup):
         ({"rollout": {"engine": "sglang"}}, "rollout.engine='sglang' is not one of hf, vllm"),
         ({"rollout": {"temperature": 0}}, "rollout.temperature=0 must be a positive number"),
         ({"rollout": {"bucket_bytes": "lots"}}, "rollout.bucket_bytes='lots' is not a positive"),
+        ({"rollout": {"colocate": "yes"}}, "rollout.colocate='yes' must be true or false"),
         ({"reward": "no_colon"}, "reward.function='no_colon' must be 'module:function'"),
         ({"reward": None}, "train.objective='grpo' needs reward: module:function"),
         ({"data": {"format": "chat"}}, "train.objective='grpo' needs data.format='prompts'"),

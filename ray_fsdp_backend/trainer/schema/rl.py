@@ -12,6 +12,7 @@ Next to ``train.grpo:`` (:class:`~ray_fsdp_backend.settings.policy.PolicyOptions
       top_p: 1.0
       max_tokens: 32             # longest response sampled
       bucket_bytes: 512MB        # weight sync bucket (ctx.stream_weights)
+      colocate: false            # true: engines and trainer share the devices in turn
     reward: my_rewards:exact     # module:function (or {function: ..., chunk: 64})
     data:
       format: prompts            # records with a prompt (text or chat messages)
@@ -60,6 +61,11 @@ class RolloutOptions:
     """The longest response sampled (tokens)."""
     bucket_bytes: int | str = "512MB"
     """Bytes per weight-sync bucket (``ctx.stream_weights``)."""
+    colocate: bool = False
+    """The engines share the trainer's devices in turn: every trainer rank
+    offloads its policy and optimizer (``ctx.offload``) for each rollout and
+    onloads them after it, the engines sleep between rollouts, and they run
+    on the trainer's nodes (``num_gpus`` below 1 shares a GPU; docs/rl.md)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ def _rollout_problem(key: str, value: Any) -> str | None:
         return "is not one of float32, bfloat16"
     if key == "python" and value is not None and not (isinstance(value, str) and value):
         return "must be a path to a Python executable or null"
+    if key == "colocate" and not isinstance(value, bool):
+        return "must be true or false"
     if key == "bucket_bytes":
         try:
             parse_size(value, "rollout.bucket_bytes")
