@@ -95,7 +95,7 @@ def test_grpo_yaml_raises_the_reward_survives_a_dead_engine_resumes_colocated(tm
     assert (tmp_path / "reward_calls.killed").read_text() == "1"  # the engine died at step 3
     assert all(row["sync_bytes"] > 0 and row["sync_s"] > 0 for row in history)
     assert all(0 <= row["clip_fraction"] <= 1 and row["kl"] >= 0 for row in history)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     assert all(0 < row["entropy"] <= math.log(vocab) for row in history)
     assert "offload_s" not in history[0]
 
