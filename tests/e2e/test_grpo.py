@@ -54,10 +54,14 @@ def _history(out: subprocess.CompletedProcess) -> list[dict]:
 
 
 @pytest.fixture
-def cluster():
-    """A local Ray cluster both runs join (``RAY_ADDRESS``), shut down after."""
+def cluster(tmp_path, monkeypatch):
+    """A local Ray cluster both runs join (``RAY_ADDRESS``), shut down after.
+    Its processes take this environment: the package and the tests on the
+    path, and the reward function's marker file."""
     import ray
 
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RFB_TEST_KILL_MARKER", str(tmp_path / "reward_calls"))
     ray.init(num_cpus=4)
     try:
         yield ray.get_runtime_context().gcs_address
@@ -72,8 +76,6 @@ def test_grpo_yaml_raises_the_reward_survives_a_dead_engine_resumes_colocated(tm
     model = save_tiny_pretrained("llama", tmp_path / "model", chat=True)
     write_prompts([str(tmp_path / "prompts.jsonl")])
     env = dict(os.environ, RAY_ADDRESS=cluster)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["RFB_TEST_KILL_MARKER"] = str(tmp_path / "reward_calls")
     common = [
         f"model.pretrained={model}",
         f"data.path={tmp_path / 'prompts.jsonl'}",
