@@ -32,7 +32,10 @@ STEPS, CHECKPOINT_AT = 10, 7
 """The first run's steps; its one checkpoint, from which the colocated run resumes."""
 THRESHOLD = 0.25
 """The mean reward (the share of "e" in the responses) one of the first
-run's last three steps must pass; it starts near 0.12 (docs/rl.md)."""
+run's last three steps must pass. At a constant rate after warmup
+(``min_lr_ratio: 1``: the example's cosine over 10 steps, not 40, slows the
+rise) seeds 0, 1, 2 started at 0.115, 0.090, 0.108 and their best of steps
+8-10 was 0.323, 0.314, 0.388 (docs/rl.md)."""
 SAME = (
     "reward/mean", "reward/std", "response_length", "loss", "grad_norm", "clip_fraction", "kl",
     "entropy", "log_prob_gap", "skipped_steps", "lr", "data_position",
@@ -84,6 +87,7 @@ def test_grpo_yaml_raises_the_reward_survives_a_dead_engine_resumes_colocated(tm
         "train.log_every=1",
         f"train.checkpoint_every={CHECKPOINT_AT}",
         f"train.steps={STEPS}",
+        "train.min_lr_ratio=1.0",
         "reward.function=tests.e2e.rl_fns:letter_share_killing_once",
     ]
     first = _train(REPO / "examples" / "grpo.yaml", env, *common)
