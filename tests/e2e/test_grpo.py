@@ -1,7 +1,8 @@
 """Online RL end to end (docs/rl.md): ``ray-fsdp train examples/grpo.yaml``
 on 2 CPU workers and one transformers rollout engine (a Ray actor), LoRA on
-a tiny chat Llama, rewards in Ray tasks, two ``train`` runs on one Ray
-cluster the test starts (a cluster start is most of a short run's time).
+a tiny chat Llama, rewards in Ray tasks, two ``train`` runs that join the
+suite's shared Ray cluster (``ray_address``: a cluster start is a good part
+of a short run's time).
 
 The first run (engines separate) raises the mean reward past its threshold;
 its engine, killed at step 3 by the reward function, is restarted by Ray
@@ -23,6 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import ray_env
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -56,29 +59,26 @@ def _history(out: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(row) for row in Path(path).read_text().splitlines()]
 
 
-@pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    """A local Ray cluster both runs join (``RAY_ADDRESS``), shut down after.
-    Its processes take this environment: the package and the tests on the
-    path, and the reward function's marker file."""
-    import ray
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("RFB_TEST_KILL_MARKER", str(tmp_path / "reward_calls"))
-    ray.init(num_cpus=4)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-
-
-def test_grpo_yaml_raises_the_reward_survives_a_dead_engine_resumes_colocated(tmp_path, cluster):
-    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
+def _prompts(path: Path, marker: Path) -> None:
+    """The example's prompt records, each also naming the reward function's
+    marker file (it reaches the reward's Ray tasks as a field)."""
     from ray_fsdp_backend.rl.example_task import main as write_prompts
 
+    write_prompts([str(path)])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "kill_marker": str(marker)}) + "\n" for r in records))
+
+
+def test_grpo_yaml_raises_the_reward_survives_a_dead_engine_resumes_colocated(
+    tmp_path, ray_address
+):
+    from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
+
     model = save_tiny_pretrained("llama", tmp_path / "model", chat=True)
-    write_prompts([str(tmp_path / "prompts.jsonl")])
-    env = dict(os.environ, RAY_ADDRESS=cluster)
+    _prompts(tmp_path / "prompts.jsonl", tmp_path / "reward_calls")
+    env = ray_env(
+        ray_address, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
     common = [
         f"model.pretrained={model}",
         f"data.path={tmp_path / 'prompts.jsonl'}",
