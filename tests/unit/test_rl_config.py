@@ -88,6 +88,11 @@ def test_plan_prints_the_fleet_and_the_sync(setup, tmp_path, capsys):
     assert "objective: grpo, 32 samples a step (4 prompts x group 8), token mean" in out
     assert "rollout:  1 hf engine(s) (Ray actors), each 1 CPU 0 GPU, responses up to 24" in out
     assert "sync:" in out and "in 1 bucket(s) of at most" in out
+    assert "colocated" not in out
+    doc = {**doc, "rollout": {**doc["rollout"], "colocate": True}}
+    config.write_text(json.dumps(doc))
+    assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    assert "24 tokens, colocated (on the trainer's nodes, asleep" in capsys.readouterr().out
 
 
 def test_rollout_sections_refused_without_grpo(setup):
