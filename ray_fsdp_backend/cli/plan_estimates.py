@@ -274,7 +274,12 @@ def format_rollout(spec: RunSpec) -> list[str]:
         f"kl_coef {grpo.kl_coef:g}, {grpo.updates} update(s) a rollout",
         f"rollout:  {rollout.replicas} {rollout.engine} engine(s) (Ray actors), each "
         f"{rollout.num_cpus:g} CPU {rollout.num_gpus:g} GPU, responses up to "
-        f"{rollout.max_tokens} tokens",
+        f"{rollout.max_tokens} tokens"
+        + (
+            ", colocated (on the trainer's nodes, asleep between rollouts)"
+            if rollout.colocate
+            else ""
+        ),
         f"sync:     {format_bytes(sync)} a step ({what}) in "
         f"{math.ceil(sync / bucket)} bucket(s) of at most {format_bytes(bucket)}, to each of "
         f"{rollout.replicas} engine(s) {route}",

@@ -8,6 +8,7 @@ way no rank waits on a collective that another abandoned.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 
 import torch
@@ -26,18 +27,31 @@ def broadcast_from_rank0(compute):
     exception on rank 0 is raised on every rank, so none waits forever."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return compute()
-    outcome = None
+    outcome, error = None, None
     if dist.get_rank() == 0:
         try:
             outcome = ("ok", compute())
         except Exception as exc:
-            outcome = ("error", exc)
+            error = exc
+            outcome = ("error", _picklable(exc))
     box = [outcome]
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "error":
-        raise value
+        raise error or value  # rank 0: its own error, traceback and all
     return value
+
+
+def _picklable(error: Exception) -> Exception:
+    """``error``, or a RuntimeError naming its type and message when it
+    cannot be pickled: Ray's ``RayTaskError(ValueError)`` (a failing reward
+    task's) is a class made at run time that pickle cannot look up (Ray 2.60),
+    and the broadcast would fail with a PicklingError that hides it."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return RuntimeError(f"{type(error).__name__} on rank 0: {error}")
+    return error
 
 
 def raise_if_any_failed(error: BaseException | None, what: str) -> None:

@@ -126,7 +126,8 @@ def format_progress(m: Mapping[str, float], total_steps: int) -> str:
             )
     if "reward/mean" in m:  # online RL (docs/rl.md)
         parts.append(
-            f"reward {m['reward/mean']:.3f} kl {m['kl']:.4f} clip {m['clip_fraction']:.2f}"
+            f"reward {m['reward/mean']:.3f} kl {m['kl']:.4f} clip {m['clip_fraction']:.2f} "
+            f"entropy {m['entropy']:.3f}"
         )
     if "grad_norm" in m:
         parts.append(f"grad norm {m['grad_norm']:.3f}")

@@ -14,6 +14,12 @@ The kernel computes each token's ``log-sum-exp - target logit`` and its
 backward takes a per-token gradient: :func:`linear_token_log_probs` is minus
 those values (the per-token log-probs a preference loss sums per sequence,
 with a sampling ``temperature``), :func:`linear_cross_entropy` their sum.
+With ``entropy=True`` the same pass also gives each token's entropy of the
+(tempered) distribution, ``lse - sum_v softmax_v * z_v``: per chunk, with
+``d = z - max``, it is ``log S - T / S`` for ``S = sum exp(d)`` and
+``T = sum exp(d) * d``, sums that add over vocabulary slices as the
+log-sum-exp's do (:func:`_exp_moments`), so no ``[tokens, vocab]`` tensor is
+held and a tp head all-reduces ``T`` in the same call as ``S``.
 
 Labels are the targets of the rows of ``hidden`` as they are: label ``i``
 is the token that row ``i`` predicts, already shifted (the trainer's
@@ -107,7 +113,9 @@ def linear_cross_entropy(
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
-    total = _token_losses(hidden, weight, labels, ignore_index, chunk_size, softcap, 1.0, compile)
+    total, _ = _token_losses(
+        hidden, weight, labels, ignore_index, chunk_size, softcap, 1.0, compile
+    )
     total = total.sum()
     if reduction == "sum":
         return total
@@ -125,7 +133,8 @@ def linear_token_log_probs(
     softcap: float | None = None,
     temperature: float = 1.0,
     compile: bool = False,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Each token's log-probability of its target,
     ``log_softmax(logits / temperature).gather(-1, targets)`` with
     ``logits = softcap(hidden @ weight.T)`` in fp32, without the whole
@@ -150,10 +159,15 @@ def linear_token_log_probs(
         softcap: Gemma 2's final logit soft-cap ``c * tanh(logits / c)``.
         temperature: a positive divisor of the (soft-capped) logits.
         compile: run each chunk's math through ``torch.compile``.
+        entropy: also return each token's entropy of
+            ``softmax(logits / temperature)`` (the module docstring: the same
+            chunks, one more row sum per chunk and, under tp, in the same
+            all-reduce); 0 where the target is ignored; not differentiable.
+            The chunk then holds a second ``chunk x vocab`` fp32 buffer.
 
     Returns:
         fp32 ``[...]`` (``targets``' shape), differentiable in ``hidden`` and
-        ``weight``.
+        ``weight``; with ``entropy``, ``(log_probs, entropies)`` of that shape.
 
     Raises:
         ValueError: a chunk size below 1, a temperature not above 0,
@@ -162,10 +176,12 @@ def linear_token_log_probs(
             ``ignore_index`` (see :func:`linear_cross_entropy`).
     """
     _check_temperature(temperature)
-    losses = _token_losses(
-        hidden, weight, targets, ignore_index, chunk_size, softcap, float(temperature), compile
-    )
-    return losses.neg().view(targets.shape)
+    losses, entropies = _token_losses(
+        hidden, weight, targets, ignore_index, chunk_size, softcap, float(temperature), compile,
+        entropy,
+    )  # fmt: skip
+    log_probs = losses.neg().view(targets.shape)
+    return (log_probs, entropies.view(targets.shape)) if entropy else log_probs
 
 
 def logits_token_log_probs(
@@ -174,19 +190,27 @@ def logits_token_log_probs(
     *,
     ignore_index: int = -100,
     temperature: float = 1.0,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax(logits.float() / temperature).gather(-1, targets)``, 0
     where ``targets == ignore_index``: the per-token log-probs of whole
     ``[..., vocab]`` logits (a model whose head the fused kernel cannot take;
     the tests' reference). A DTensor ``logits`` (a tp head's vocabulary
-    slices) is gathered whole first."""
+    slices) is gathered whole first. With ``entropy``, also each token's
+    ``-(softmax * log_softmax).sum(-1)`` (0 where ignored, no gradient), as
+    :func:`linear_token_log_probs` returns them."""
     _check_temperature(temperature)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     valid = targets != ignore_index
     picked = log_probs.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(valid, picked, 0.0)
+    picked = torch.where(valid, picked, 0.0)
+    if not entropy:
+        return picked
+    with torch.no_grad():
+        entropies = -(log_probs.exp() * log_probs).sum(-1)
+    return picked, torch.where(valid, entropies, 0.0)
 
 
 def _check_temperature(temperature: float) -> None:
@@ -195,11 +219,12 @@ def _check_temperature(temperature: float) -> None:
 
 
 def _token_losses(
-    hidden, weight, labels, ignore_index, chunk_size, softcap, temperature, compile
-) -> torch.Tensor:
+    hidden, weight, labels, ignore_index, chunk_size, softcap, temperature, compile, entropy=False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``lse - target logit`` (fp32 ``[tokens]``, 0 where
-    ignored) through :class:`_ChunkedTokenLosses`, after the checks both
-    public functions share."""
+    ignored) and, with ``entropy``, its entropy (else an empty tensor)
+    through :class:`_ChunkedTokenLosses`, after the checks both public
+    functions share."""
     chunk = DEFAULT_CHUNK_TOKENS if chunk_size is None else chunk_size
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
@@ -220,6 +245,7 @@ def _token_losses(
         chunk,
         group,
         _kernels(compile),
+        entropy,
     )
 
 
@@ -301,6 +327,23 @@ def _exp_sum(z: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
     return z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1)
 
 
+def _exp_moments(z: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """``[2, rows]``: row sums of ``e = exp(z - peak)`` and of ``e * (z - peak)``,
+    ``z`` shifted in place and one more ``chunk x vocab`` buffer. Both add
+    over vocabulary slices (``peak`` the whole row's); the entropy is then
+    ``log S - T / S`` (:func:`_entropy`)."""
+    shifted = z.sub_(peak.unsqueeze(1))
+    e = shifted.exp()
+    total = e.sum(dim=1)
+    return torch.stack((total, e.mul_(shifted).sum(dim=1)))
+
+
+def _entropy(moments: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy ``lse - sum softmax * z = log S - T / S`` from
+    :func:`_exp_moments`' (whole-vocabulary) sums."""
+    return moments[0].log() - moments[1] / moments[0]
+
+
 def _chunk_stats(h, w, labels, ignore_index: int, vocab_start: int, softcap, temperature):
     """One chunk's log-sum-exp and target logits over the whole vocabulary
     (the weight unsplit): :func:`_logits_peak` and :func:`_exp_sum` in one."""
@@ -318,16 +361,18 @@ def _chunk_grads(h, w, labels, lse, grad_rows, options: tuple, want_hidden: bool
 
 class _Kernels(NamedTuple):
     """The per-chunk math, eager or compiled: ``stats`` for a whole
-    vocabulary, ``logits_peak`` and ``exp_sum`` on either side of a tp
-    all-reduce of the maxima, ``grads`` for backward."""
+    vocabulary, ``logits_peak`` and ``exp_sum`` (``exp_moments`` with the
+    entropy) on either side of a tp all-reduce of the maxima, ``grads`` for
+    backward."""
 
     stats: Callable
     logits_peak: Callable
     exp_sum: Callable
+    exp_moments: Callable
     grads: Callable
 
 
-_EAGER = _Kernels(_chunk_stats, _logits_peak, _exp_sum, _chunk_grads)
+_EAGER = _Kernels(_chunk_stats, _logits_peak, _exp_sum, _exp_moments, _chunk_grads)
 _COMPILED: list[_Kernels] = []
 
 
@@ -347,41 +392,49 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _chunk_forward(kernels: _Kernels, h, w, labels, options: tuple, group):
-    """One chunk's log-sum-exp and target logits over the whole vocabulary;
-    under tp one all-reduce of the maxima and one of the exp-sums and target
-    logits, between the kernels. ``options``: ``(ignore_index, vocab_start,
-    softcap, temperature)``."""
-    if group is None:
-        return kernels.stats(h, w, labels, *options)
+def _chunk_forward(kernels: _Kernels, h, w, labels, options: tuple, group, entropy: bool):
+    """One chunk's log-sum-exp, target logits and (``entropy``; else None)
+    entropies over the whole vocabulary; under tp one all-reduce of the
+    maxima and one of the exp-sums (and ``T``) and target logits, between the
+    kernels. ``options``: ``(ignore_index, vocab_start, softcap, temperature)``."""
+    if group is None and not entropy:
+        return (*kernels.stats(h, w, labels, *options), None)
     z, peak, picked = kernels.logits_peak(h, w, labels, *options)
     peak = _all_reduce(peak, dist.ReduceOp.MAX, group)
-    sums = _all_reduce(torch.stack((kernels.exp_sum(z, peak), picked)), dist.ReduceOp.SUM, group)
-    return peak + sums[0].log(), sums[1]
+    sums = kernels.exp_moments(z, peak) if entropy else kernels.exp_sum(z, peak).unsqueeze(0)
+    sums = _all_reduce(torch.cat((sums, picked.unsqueeze(0))), dist.ReduceOp.SUM, group)
+    return peak + sums[0].log(), sums[-1], _entropy(sums[:2]) if entropy else None
 
 
 class _ChunkedTokenLosses(torch.autograd.Function):
-    """Per-token ``lse - target logit`` over chunks (0 where ignored); saves
-    only the log-sum-exps. Backward takes a per-token gradient."""
+    """Per-token ``lse - target logit`` over chunks (0 where ignored) and,
+    with ``entropy``, per-token entropies (else an empty tensor; never
+    differentiable); saves only the log-sum-exps. Backward takes a per-token
+    gradient of the losses."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, options, chunk, group, kernels):
+    def forward(ctx, hidden, weight, labels, options, chunk, group, kernels, entropy):
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropies = torch.empty(n if entropy else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            rows = labels[start:end]
-            stats = _chunk_forward(kernels, hidden[start:end], weight, rows, options, group)
-            lse[start:end], picked = stats
-            losses[start:end] = torch.where(rows != options[0], lse[start:end] - picked, 0.0)
+            rows, h = labels[start:end], hidden[start:end]
+            valid = rows != options[0]
+            stats = _chunk_forward(kernels, h, weight, rows, options, group, entropy)
+            lse[start:end], picked, chunk_entropy = stats
+            losses[start:end] = torch.where(valid, lse[start:end] - picked, 0.0)
+            if entropy:
+                entropies[start:end] = torch.where(valid, chunk_entropy, 0.0)
         ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.mark_non_differentiable(entropies)
         ctx.options = options
         ctx.chunk, ctx.group, ctx.kernels = chunk, group, kernels
-        return losses
+        return losses, entropies
 
     @staticmethod
-    def backward(ctx, grad_losses):
+    def backward(ctx, grad_losses, _grad_entropies):
         hidden, weight, labels, lse = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -403,7 +456,7 @@ class _ChunkedTokenLosses(torch.autograd.Function):
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_z, h) -> None:

@@ -11,7 +11,8 @@ them, and hands this module the prompts, samples and rewards:
    targets; :func:`dp_share` gives each data-parallel rank its rows.
 2. :func:`policy_update` runs ``ctx.sequence_log_probs`` (the chunked
    head: never the ``[tokens, vocab]`` logits) once without gradient for the
-   old policy's log-probs (the trainer/rollout gap is measured there) and
+   old policy's log-probs and entropies (the trainer/rollout gap and the
+   policy's entropy at the sampling temperature are measured there) and
    the reference's (LoRA adapters disabled, when there is a KL term), then
    one optimizer step per ``updates`` of :func:`~.losses.policy_loss` over
    the micro-batches, divided by the step's global count
@@ -145,29 +146,32 @@ def policy_update(
     Returns 0-d device tensors (nothing read on the host): ``loss`` (this
     rank's share of the last update's loss), ``grad_norm``, ``skipped`` (1.0:
     the last update's norm was not finite, its step skipped), ``clip_fraction``,
-    ``kl`` (0 without a KL term) and ``log_prob_gap`` (the mean absolute
+    ``kl`` (0 without a KL term), ``log_prob_gap`` (the mean absolute
     difference between the trainer's and the rollout engine's log-probs of
-    the sampled tokens, before the update)."""
+    the sampled tokens, before the update) and ``entropy`` (the token mean of
+    the policy's entropy at ``temperature`` over the response tokens, before
+    the update, from the same chunked pass as the old log-probs)."""
     micro = [
         {k: v[i : i + micro_batch_size].to(ctx.device) for k, v in rows.items()}
         for i in range(0, len(rows["input_ids"]), micro_batch_size)
     ]
 
-    def log_probs(batch):
+    def log_probs(batch, entropy: bool = False):
         return ctx.sequence_log_probs(
-            model, batch, temperature=temperature, chunk_tokens=chunk_tokens
+            model, batch, temperature=temperature, chunk_tokens=chunk_tokens, entropy=entropy
         )
 
     with torch.no_grad():
         for batch in micro:
             batch["mask"] = batch["targets"] != IGNORE_INDEX
-            batch["old_log_probs"] = log_probs(batch)
+            batch["old_log_probs"], batch["entropy"] = log_probs(batch, entropy=True)
             if options.kl_coef:
                 with reference_of(model):
                     batch["ref_log_probs"] = log_probs(batch)
     gap = sum(
         ((b["old_log_probs"] - b["rollout_log_probs"]).abs() * b["mask"]).sum() for b in micro
     )
+    entropy = sum(b["entropy"].sum() for b in micro)  # 0 off the response tokens
     divisor = ctx.global_count(
         sum(loss_count(b["mask"], options.normalisation, max_tokens) for b in micro)
     )
@@ -203,7 +207,7 @@ def policy_update(
         skipped = step_if_finite(optimizer, grad_norm)
         optimizer.zero_grad(set_to_none=True)
     tokens = sum(b["mask"].sum() for b in micro)
-    clip_fraction, kl, gap = token_means(torch.stack([clipped, kl, gap]), tokens)
+    clip_fraction, kl, gap, entropy = token_means(torch.stack([clipped, kl, gap, entropy]), tokens)
     return {
         "loss": total,
         "grad_norm": grad_norm,
@@ -211,6 +215,7 @@ def policy_update(
         "clip_fraction": clip_fraction,
         "kl": kl,
         "log_prob_gap": gap,
+        "entropy": entropy,
     }
 
 

@@ -165,3 +165,24 @@ class HFRollout:
     def get_version(self) -> int:
         """The weight version the engine holds (0: the checkpoint's)."""
         return self.version
+
+    def sleep(self) -> None:
+        """Release the engine's device memory until :meth:`wake_up` (a
+        colocated trainer's turn). On a GPU the model moves to host memory
+        (``nn.Module.to``: the same parameter objects, so a weight sync while
+        asleep loads into them there) and the allocator's cache is emptied;
+        ``generate`` allocates its KV cache per call, so nothing else is
+        held. On CPU a no-op: the weights already live in host memory, and
+        moving them to the meta device would lose them until the next full
+        sync (a restarted engine, a resumed run's first step need them)."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the device memory back (vLLM's tags: ``["weights"]`` before a
+        weight sync, ``["kv_cache"]`` before generating, None both): the
+        weights move back to the engine's device; the KV cache is a no-op
+        here (made per ``generate`` call). On CPU a no-op (see :meth:`sleep`)."""
+        if self.device.type != "cpu" and (tags is None or "weights" in tags):
+            self.model.to(self.device)

@@ -116,6 +116,8 @@ class VLLMRollout:
         memory_fraction: vLLM's ``gpu_memory_utilization`` (of host RAM on CPU).
         lora: the run's LoRA config as ``peft.LoraConfig`` arguments (its
             ``r`` sizes ``max_lora_rank``; None: no LoRA, syncs are merged).
+        sleep_mode: build with vLLM's ``enable_sleep_mode`` (GPU only: a
+            colocated run's :meth:`sleep` / :meth:`wake_up`).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class VLLMRollout:
         dtype: str = "float32",
         memory_fraction: float = 0.15,
         lora: dict | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import json
@@ -146,7 +149,9 @@ class VLLMRollout:
             gpu_memory_utilization=memory_fraction,
             logprobs_mode="processed_logprobs",
             **options,
+            enable_sleep_mode=sleep_mode,
         )
+        self.sleep_mode, self._asleep = sleep_mode, set()
         with open(os.path.join(model_path, "config.json")) as f:
             eos = json.load(f).get("eos_token_id")
         self.eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -284,3 +289,23 @@ class VLLMRollout:
 
     def get_version(self) -> int:
         return self.version
+
+    def sleep(self) -> None:
+        """Release the engine's device memory until :meth:`wake_up` (a
+        colocated trainer's turn): vLLM's ``LLM.sleep(level=1)`` (the weights
+        to pinned host memory, the KV cache dropped; it resets the prefix
+        cache) when built with ``sleep_mode``. Otherwise, and on CPU, where
+        vLLM has no sleep mode and its memory is the host's, a no-op."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``LLM.wake_up(tags)`` for what is asleep of ``tags``
+        (``["weights"]`` before a weight sync, so the reload writes device
+        memory while the KV cache stays released; ``["kv_cache"]`` before
+        generating; None: both). A no-op without sleep mode."""
+        waking = self._asleep if tags is None else self._asleep & set(tags)
+        if waking:
+            self.llm.wake_up(tags=sorted(waking))
+            self._asleep -= waking

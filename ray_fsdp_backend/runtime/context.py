@@ -203,9 +203,13 @@ class TrainContext:
         temperature: float = 1.0,
         chunk_tokens: int | None = None,
         compile: bool = False,
-    ) -> torch.Tensor:
+        entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Each token's log-probability of its target under ``model``: fp32
-        ``[rows, seq]``, 0 where ``batch["targets"]`` is -100.
+        ``[rows, seq]``, 0 where ``batch["targets"]`` is -100; with
+        ``entropy``, also each token's entropy of the tempered distribution
+        (from the same chunks: ``(log_probs, entropies)``, the entropies not
+        differentiable).
 
         ``batch`` is a micro-batch as :meth:`shard_sequence` returned it
         (``input_ids``, ``targets``, ``position_ids``, passed to the model).
@@ -225,6 +229,7 @@ class TrainContext:
             temperature: divides the (soft-capped) logits, as vLLM's sampler.
             chunk_tokens: tokens per chunk (None: the default chunk; 0: whole logits).
             compile: compile the per-chunk math (``torch.compile``).
+            entropy: also return the per-token entropies (0 off target).
 
         Raises:
             ValueError: a ``temperature`` not above 0, a batch without
@@ -252,7 +257,7 @@ class TrainContext:
         if head is None:
             output = model(inputs, position_ids=position_ids)
             logits = getattr(output, "logits", output)  # a transformers model's output
-            return logits_token_log_probs(logits, targets, temperature=temperature)
+            return logits_token_log_probs(logits, targets, temperature=temperature, entropy=entropy)
         keep_head_gathered(model, head)
         hidden, _ = head_hidden_states(model, head, inputs, position_ids=position_ids)
         return linear_token_log_probs(
@@ -263,6 +268,7 @@ class TrainContext:
             softcap=head.softcap,
             temperature=temperature,
             compile=compile,
+            entropy=entropy,
         )
 
     def seed_step(self, seed: int, step: int) -> None:

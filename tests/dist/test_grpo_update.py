@@ -2,8 +2,10 @@
 samples: two PPO updates (clip-higher, truncated importance sampling, 2
 micro-batches) of a tiny Llama under FSDP2 at dp 2 and at tp 2 (the
 vocabulary-sharded head), and with LoRA and a k3 KL to the adapters-disabled
-base at dp 2. The reference is written here: ``log_softmax`` of the full
-logits and TRL 1.16's per-token formula (tests/unit/test_rl_losses.py)."""
+base at dp 2; the ``entropy`` metric (the old policy's, at the sampling
+temperature) equals the full logits' token-mean entropy. The reference is
+written here: ``log_softmax`` of the full logits and TRL 1.16's per-token
+formula (tests/unit/test_rl_losses.py)."""
 
 from __future__ import annotations
 
@@ -113,6 +115,9 @@ def _reference(path, options: PolicyOptions, lora: bool):
 
     with torch.no_grad():
         old = log_probs()
+        logits = model(rows["input_ids"]).logits.float() / TEMPERATURE
+        token_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        entropy = (token_entropy * mask).sum() / mask.sum()
         if lora:
             with model.disable_adapter():
                 ref = log_probs()
@@ -128,7 +133,7 @@ def _reference(path, options: PolicyOptions, lora: bool):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
-    return _full(model)
+    return _full(model), float(entropy)
 
 
 def _ranks(rank: int, world: int, path: str) -> dict:
@@ -166,7 +171,7 @@ def runs(tmp_path_factory):
 def test_two_updates_equal_one_process(runs, case):
     path, ranks = runs
     config, options = CASES[case]
-    expected = _reference(path, options, case.startswith("lora"))
+    expected, entropy = _reference(path, options, case.startswith("lora"))
     got = ranks[case]["params"]
     assert got.keys() == expected.keys()
     for name, value in expected.items():
@@ -175,3 +180,6 @@ def test_two_updates_equal_one_process(runs, case):
     assert metrics["skipped"] == 0 and metrics["log_prob_gap"] > 0
     assert 0 <= metrics["clip_fraction"] <= 1
     assert (metrics["kl"] > 0) == (options.kl_coef > 0)
+    # The policy's entropy before the update, at the sampling temperature:
+    # the token mean over every response token of the step (both dp ranks).
+    assert metrics["entropy"] == pytest.approx(entropy, rel=1e-5, abs=1e-5)

@@ -6,8 +6,9 @@ padding tail with ``sequence_ids`` -1) of the example decoder, on dp 2
 (FSDP), tp 2 (the head's vocabulary split over tp, ``loss_parallel``) and
 dp_shard 2 x cp 2 (cp cuts every row, documents across the cut), and a
 transformers Qwen3-MoE at ep 2 (its experts split over two ranks): the
-per-token log-probs of this rank's tokens (fused, and from the whole logits
-with ``chunk_tokens=0``), each pair's summed log-probs and
+per-token log-probs of this rank's tokens and their entropies
+(``entropy=True``: fused, and from the whole logits with ``chunk_tokens=0``;
+against ``-(softmax * log_softmax).sum(-1)``), each pair's summed log-probs and
 token counts, and the model's gradients of a DPO loss over the step's pairs
 equal one process's within 1e-5 (the gradient: a DPO sigmoid loss on fixed
 reference log-probs, summed over each rank's pairs over the global pair
@@ -123,8 +124,11 @@ def _reference(model):
     with torch.no_grad():
         logits = _logits(model, batch["input_ids"], position_ids=batch["position_ids"])
         tokens = logits_token_log_probs(logits, batch["targets"])
+        log_probs = F.log_softmax(logits.float(), -1)
+        entropies = -(torch.softmax(logits.float(), -1) * log_probs).sum(-1)
+        entropies = torch.where(batch["targets"] == -100, 0.0, entropies)
     pairs = (chosen.detach(), rejected.detach(), counts[0::2], counts[1::2])
-    return pairs, grads, tokens
+    return pairs, grads, (tokens, entropies)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -169,7 +173,7 @@ def _layout(settings: dict) -> dict:
     if ctx.ep_size > 1:  # the experts are split over the ep axis
         experts = [p for n, p in model.named_parameters() if "experts" in n]
         assert experts and all("ep" in p.device_mesh.mesh_dim_names for p in experts)
-    want_pairs, want_grads, want_tokens = _reference(reference)
+    want_pairs, want_grads, (want_tokens, want_entropies) = _reference(reference)
 
     per = len(ROWS) // ctx.dp_size
     rows = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
@@ -179,7 +183,8 @@ def _layout(settings: dict) -> dict:
     with ctx.loss_parallel():
         tokens = ctx.sequence_log_probs(model, batch, chunk_tokens=5)
         with torch.no_grad():  # the whole-logits path (a head the kernel cannot take)
-            whole = ctx.sequence_log_probs(model, batch, chunk_tokens=0)
+            whole = ctx.sequence_log_probs(model, batch, chunk_tokens=0, entropy=True)
+            fused = ctx.sequence_log_probs(model, batch, chunk_tokens=5, entropy=True)
         got = rfb.pair_log_probs(ctx, model, batch, chunk_tokens=5)
         ref_c, ref_r = (t[mine] for t in _ref_log_probs(len(want_pairs[0])))
         losses = rfb.dpo_loss(got.chosen, got.rejected, ref_c, ref_r).losses
@@ -187,7 +192,10 @@ def _layout(settings: dict) -> dict:
     index = chunk_indices(SEQ, ctx.cp_rank, ctx.cp_size, load_balance=False)
     errors = {
         "tokens": (tokens.detach() - want_tokens[rows][:, index]).abs().max(),
-        "tokens, whole logits": (whole - want_tokens[rows][:, index]).abs().max(),
+        "tokens, whole logits": (whole[0] - want_tokens[rows][:, index]).abs().max(),
+        "tokens, with entropy": (fused[0] - want_tokens[rows][:, index]).abs().max(),
+        "entropy": (fused[1] - want_entropies[rows][:, index]).abs().max(),
+        "entropy, whole logits": (whole[1] - want_entropies[rows][:, index]).abs().max(),
         **{
             name: (g.detach() - w[mine]).abs().max()
             for name, g, w in zip(got._fields, got, want_pairs, strict=True)

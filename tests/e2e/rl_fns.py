@@ -2,7 +2,9 @@
 
 It runs in a Ray task of the run's cluster: at its ``KILL_AT``-th call it
 kills the alive rollout engine actor (Ray restarts it: ``max_restarts``),
-and leaves a marker file so that it happens once. The rewards are the
+and leaves a marker file so that it happens once: the path is the prompt
+records' ``kill_marker`` field (a field reaches the task; the test's
+environment does not reach a shared cluster's workers). The rewards are the
 example task's."""
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ KILL_AT = 3
 """The step whose rewards kill the engine (one reward task a step)."""
 
 
-def letter_share_killing_once(prompts, completions, letter, **fields):
-    marker = os.environ["RFB_TEST_KILL_MARKER"]
+def letter_share_killing_once(prompts, completions, letter, kill_marker, **fields):
+    marker = kill_marker[0]
     calls = int(open(marker).read()) + 1 if os.path.exists(marker) else 1
     with open(marker, "w") as f:
         f.write(str(calls))

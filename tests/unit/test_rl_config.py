@@ -57,6 +57,7 @@ def test_the_example_passes(setup):
             {"rollout": {"transport": "nccl"}},
             "rollout.transport='nccl' is not one of object_store, collective",
         ),
+        ({"rollout": {"colocate": "yes"}}, "rollout.colocate='yes' must be true or false"),
         ({"reward": "no_colon"}, "reward.function='no_colon' must be 'module:function'"),
         ({"reward": None}, "train.objective='grpo' needs reward: module:function"),
         ({"data": {"format": "chat"}}, "train.objective='grpo' needs data.format='prompts'"),
@@ -74,6 +75,10 @@ def test_the_example_passes(setup):
         (
             {"rollout": {"sync": "adapters", "transport": "collective"}},
             "rollout.sync='adapters' with rollout.transport='collective'",
+        ),
+        (
+            {"rollout": {"colocate": True, "transport": "collective", "num_gpus": 0.5}},
+            "NCCL cannot join a trainer rank and an engine on one GPU",
         ),
     ],
     ids=lambda v: None if isinstance(v, dict) else v[:30],
@@ -114,6 +119,11 @@ def test_plan_prints_the_fleet_and_the_sync(setup, tmp_path, capsys):
     config.write_text(json.dumps(collective))
     assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0
     assert "broadcast over a weight group (NCCL on GPUs, else gloo)" in capsys.readouterr().out
+    assert "colocated" not in out
+    colocated = {**doc, "rollout": {**doc["rollout"], "colocate": True}}
+    config.write_text(json.dumps(colocated))
+    assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    assert "24 tokens, colocated (on the trainer's nodes, asleep" in capsys.readouterr().out
     doc = {**doc, "rollout": {**doc["rollout"], "sync": "adapters"}}
     config.write_text(json.dumps(doc))
     assert main(["plan", str(config), "--nodes", "1", "--gpus-per-node", "2"]) == 0

@@ -96,3 +96,16 @@ def test_the_engine_imports_nothing_of_the_package(module):
         for alias in node.names
     }
     assert not {m for m in imported if m and m.startswith("ray_fsdp_backend")}, imported
+
+
+def test_a_colocated_cycle_leaves_the_samples_as_they_were(engine):
+    """The colocated loop's calls (sleep after a rollout, the weights woken
+    for a sync, the KV cache for the next rollout): on CPU they release
+    nothing (the weights are host memory already) and change nothing."""
+    before = engine.generate(PROMPTS, n=2, max_tokens=8, seed=5)
+    engine.sleep()
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    engine.sleep()
+    engine.wake_up()
+    assert engine.generate(PROMPTS, n=2, max_tokens=8, seed=5) == before

@@ -4,7 +4,10 @@ on the full fp32 logits, and the per-sequence sums of packed rows.
 Value and both gradients (hidden and weight, under a random per-token
 upstream gradient) within 1e-5 in fp32 with -100 targets, Gemma 2's
 soft-cap, a temperature and a chunk that does not divide the tokens; bf16
-inputs within a stated tolerance; ``compile=True`` once. ``linear_cross_entropy``
+inputs within a stated tolerance; ``compile=True`` once. The entropy output
+(``entropy=True``) against ``-(softmax * log_softmax).sum(-1)`` of the same
+logits, and its two chunk sums added over vocabulary slices (a tp head's
+all-reduce) against the whole row's. ``linear_cross_entropy``
 is minus the same kernel's sum (its own tests: test_linear_cross_entropy.py).
 ``sequence_sums`` / ``sum_pairs`` against per-sequence loops.
 """
@@ -105,6 +108,76 @@ def test_cross_entropy_is_minus_the_log_probs_sum():
     loss = rfb.linear_cross_entropy(hidden, weight, targets, chunk_size=7)
     log_probs = rfb.linear_token_log_probs(hidden, weight, targets, chunk_size=5)
     torch.testing.assert_close(loss, -log_probs.sum(), rtol=1e-6, atol=1e-5)
+
+
+def _reference_entropy(hidden, weight, targets, softcap=None, temperature=1.0):
+    """``-(softmax * log_softmax).sum(-1)`` of the whole fp32 logits, 0 where ignored."""
+    logits = hidden.float() @ weight.float().T
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_probs = F.log_softmax(logits / temperature, dim=-1)
+    return torch.where(targets == -100, 0.0, -(log_probs.softmax(-1) * log_probs).sum(-1))
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_entropy_equals_full_logits_entropy(softcap, temperature, chunk):
+    """The entropy output of the same chunked pass: each token's, 0 where
+    ignored; the log-probs and their gradients are what they are without it."""
+    hidden, weight, targets, upstream = _operands(seed=2)
+    kw = dict(softcap=softcap, temperature=temperature)
+    hidden = hidden.detach().requires_grad_()
+    log_probs, entropies = rfb.linear_token_log_probs(
+        hidden, weight, targets, chunk_size=chunk, entropy=True, **kw
+    )
+    assert not entropies.requires_grad and entropies.shape == targets.shape
+    want = _reference_entropy(hidden.detach(), weight, targets, **kw)
+    assert torch.count_nonzero(entropies[targets == -100]) == 0
+    assert want[targets != -100].min() > 0.1  # not a vanishing quantity
+    torch.testing.assert_close(entropies, want, rtol=1e-5, atol=1e-5)
+    (log_probs * upstream).sum().backward()
+    alone = _value_and_grads(
+        rfb.linear_token_log_probs, hidden, weight, targets, upstream, chunk_size=chunk, **kw
+    )
+    assert torch.equal(log_probs.detach(), alone[0]) and torch.equal(hidden.grad, alone[1])
+    whole = rfb.ops.loss.logits_token_log_probs(
+        _logits(hidden.detach(), weight, softcap), targets, temperature=temperature, entropy=True
+    )
+    torch.testing.assert_close(whole[1], want, rtol=1e-5, atol=1e-5)
+
+
+def _logits(hidden, weight, softcap):
+    logits = hidden @ weight.T
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def test_entropy_sums_add_over_vocabulary_slices():
+    """The chunk's two sums, taken per vocabulary slice against the whole
+    row's maximum and added (what a tp all-reduce does), give the entropy of
+    the whole row: the accumulation the vocabulary-parallel head relies on."""
+    from ray_fsdp_backend.ops.loss import _entropy, _exp_moments
+
+    hidden, weight, targets, _ = _operands(seed=3)
+    logits = (hidden.reshape(-1, DIM) @ weight.T) * 3.0  # peaked rows: exp(d) far from 1
+    peak = logits.max(dim=1).values
+    slices = [logits[:, :40].clone(), logits[:, 40:].clone()]  # one holds no row's maximum
+    added = sum(_exp_moments(z, peak) for z in slices)
+    want = _reference_entropy(hidden.reshape(-1, DIM) * 3.0, weight, targets.reshape(-1))
+    valid = targets.reshape(-1) != -100
+    torch.testing.assert_close(_entropy(added)[valid], want[valid], rtol=1e-5, atol=1e-5)
+    whole = _exp_moments(logits.clone(), peak)
+    torch.testing.assert_close(added, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_entropy_equals_full_logits():
+    hidden, weight, targets, _ = _operands(seed=4)
+    _, entropies = rfb.linear_token_log_probs(
+        hidden, weight, targets, chunk_size=7, softcap=2.5, temperature=0.7, compile=True,
+        entropy=True,
+    )  # fmt: skip
+    want = _reference_entropy(hidden, weight, targets, softcap=2.5, temperature=0.7)
+    torch.testing.assert_close(entropies, want, rtol=1e-5, atol=1e-5)
 
 
 def test_refusals_name_the_argument():

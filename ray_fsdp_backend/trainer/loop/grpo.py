@@ -19,6 +19,10 @@ Each step, in order (docs/rl.md):
    adapters alone with ``rollout.sync: adapters``) to every engine through
    the object store.
 
+With ``rollout.colocate`` the rollout (1 and 2) runs with the policy and
+optimizer offloaded on every rank and the engines awake, the rest with the
+policy onloaded and the engines asleep (:mod:`.colocation`).
+
 An engine that Ray restarted after a crash comes back with the
 checkpoint's weights: its weight version no longer matches, so the step
 syncs again before sampling. A resumed run restores the policy, optimizer,
@@ -41,6 +45,7 @@ from ray_fsdp_backend.metrics.reporting import TensorBoardWriter
 from ray_fsdp_backend.rl.fleet import RolloutFleet, StaleEngineError, SyncStats, sync_weights
 from ray_fsdp_backend.rl.grpo import dp_share, policy_update, rollout_rows
 from ray_fsdp_backend.trainer.loop.checkpoints import CheckpointHooks
+from ray_fsdp_backend.trainer.loop.colocation import Colocation, engine_placement, trainer_nodes
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
 from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
 from ray_fsdp_backend.trainer.schema.rl import prompt_options
@@ -95,7 +100,9 @@ def run_grpo(
     checkpoints = CheckpointHooks(
         ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async, report=report
     )
-    side = _RankZero(spec) if ctx.world_rank == 0 else None
+    colocation = Colocation(ctx, model, optimizer, enabled=rollout.colocate)
+    nodes = trainer_nodes() if rollout.colocate else None
+    side = _RankZero(spec, nodes) if ctx.world_rank == 0 else None
     count = broadcast_from_rank0(lambda: len(side.prompts))
     sampler = PromptSampler(count, opts.grpo.prompts_per_step, opts.seed)
     extra = checkpoints.restore(model, optimizer, schedule, sampler) if resume else {}
@@ -116,7 +123,7 @@ def run_grpo(
     sync = None
     for step in range(start_step + 1, opts.steps + 1):
         seed_step(ctx, opts.seed, step)
-        batch, sync = _rollout(ctx, model, side, sampler, spec, step, synced, sync)
+        batch, sync = _rollout(ctx, model, side, sampler, spec, step, synced, sync, colocation)
         synced = True
         rows = dp_share(
             rollout_rows(*batch, spec.model.seq_len, opts.grpo), ctx.dp_rank, ctx.dp_size
@@ -130,13 +137,14 @@ def run_grpo(
             chunk_tokens=opts.loss_chunk_tokens,
         )  # fmt: skip
         schedule.step()
-        sync = _sync(ctx, model, side, rollout)
+        sync = _sync(ctx, model, side, spec.rollout, colocation)
         if (
             step % opts.log_every == 0
             or step in (start_step + 1, opts.steps)
             or checkpoints.due(step)
         ):
             metrics = _metrics(ctx, meter, step, batch, update, sync, schedule, sampler)
+            metrics.update(colocation.metrics())
             history.append(metrics)
             if side:
                 _logger.info(format_progress(metrics, opts.steps))
@@ -157,7 +165,7 @@ def run_grpo(
 class _RankZero:
     """What rank 0 alone holds: the prompts, the tokenizer, the engines."""
 
-    def __init__(self, spec: RunSpec) -> None:
+    def __init__(self, spec: RunSpec, nodes: list[str] | None) -> None:
         from ray_fsdp_backend.hf.metadata import load_tokenizer
         from ray_fsdp_backend.rl.prompts import read_prompts
 
@@ -166,7 +174,7 @@ class _RankZero:
         self.prompts = read_prompts(
             spec.data.path, self.tokenizer, **prompt_options(spec.data, spec.model, spec.rollout)
         )
-        self.fleet = RolloutFleet(start_engines(spec), transport=spec.rollout.transport)
+        self.fleet = RolloutFleet(start_engines(spec, nodes), transport=spec.rollout.transport)
 
     def sample(self, indices: list[int], step: int):
         """Prompts, samples and rewards of one step (None: an engine was stale)."""
@@ -199,7 +207,7 @@ class _RankZero:
         return sorted({k for f in self.prompts.fields for k in f})
 
 
-def _rollout(ctx, model, side, sampler, spec, step, synced, last_sync):
+def _rollout(ctx, model, side, sampler, spec, step, synced, last_sync, colocation):
     """One step's (prompts, samples, rewards) on every rank, syncing the
     engines first when they may be stale (collective)."""
     indices = sampler.next()
@@ -207,23 +215,25 @@ def _rollout(ctx, model, side, sampler, spec, step, synced, last_sync):
     for _ in range(ROLLOUT_TRIES):
         stale = broadcast_from_rank0(lambda: side.fleet.stale()) or not synced
         if stale:
-            sync = _sync(ctx, model, side, spec.rollout)
+            sync = _sync(ctx, model, side, spec.rollout, colocation)
             synced = True
-        # A reward function's error on rank 0 is raised on every rank.
-        batch = broadcast_from_rank0(lambda: side.sample(indices, step))
+        with colocation.rollout_phase(side.fleet if side else None):
+            # A reward function's error on rank 0 is raised on every rank.
+            batch = broadcast_from_rank0(lambda: side.sample(indices, step))
         if batch is not None:
             return batch, sync
         synced = False
     raise RuntimeError(f"step {step}: the rollout engines stayed stale after {ROLLOUT_TRIES} syncs")
 
 
-def _sync(ctx, model, side, rollout) -> SyncStats:
+def _sync(ctx, model, side, rollout, colocation) -> SyncStats:
     """The policy's weights (or its adapters: ``rollout.sync``) to rank 0's
-    engines (collective)."""
+    engines (collective), the engines' weights awake for it when colocated."""
+    fleet = side.fleet if side else None
+    colocation.wake_weights(fleet)
     return sync_weights(
-        ctx, model, side.fleet if side else None, bucket_bytes=rollout.bucket_bytes,
-        adapters=rollout.sync == "adapters",
-    )  # fmt: skip
+        ctx, model, fleet, bucket_bytes=rollout.bucket_bytes, adapters=rollout.sync == "adapters"
+    )
 
 
 def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[str, float]:
@@ -238,6 +248,7 @@ def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[s
         "clip_fraction": update["clip_fraction"],
         "kl": update["kl"],
         "log_prob_gap": update["log_prob_gap"],
+        "entropy": update["entropy"],
         "skipped_steps": update["skipped"],
     }
     metrics = {"step": step, **meter.measure(step, mean={"loss": update["loss"]}, same=same)}
@@ -251,9 +262,10 @@ def _metrics(ctx, meter, step, batch, update, sync, schedule, sampler) -> dict[s
     return metrics
 
 
-def start_engines(spec: RunSpec) -> list:
-    """The run's rollout engine actors (restarted by Ray if they die); with
-    ``rollout.sync: adapters`` each is built with the run's LoRA config, to
+def start_engines(spec: RunSpec, nodes: list[str] | None = None) -> list:
+    """The run's rollout engine actors (restarted by Ray if they die): on
+    the trainer's ``nodes`` when given (a colocated run); with
+    ``rollout.sync: adapters`` each built with the run's LoRA config, to
     apply the adapters a sync sends to the checkpoint's base."""
     import ray
 
@@ -273,11 +285,15 @@ def start_engines(spec: RunSpec) -> list:
     engine_class = module.VLLMRollout if rollout.engine == "vllm" else module.HFRollout
     engine = ray.remote(engine_class)
     run = uuid.uuid4().hex[:8]
-    lora = spec.model.lora.peft_kwargs() if rollout.sync == "adapters" else None
+    kwargs = {"dtype": rollout.dtype}
+    if rollout.sync == "adapters":
+        kwargs["lora"] = spec.model.lora.peft_kwargs()
+    if rollout.engine == "vllm" and rollout.colocate and rollout.num_gpus > 0:
+        kwargs["sleep_mode"] = True  # vLLM's sleep mode exists on GPUs only
     return [
-        engine.options(name=f"rfb-rollout-{run}-{i}", **options).remote(
-            spec.model.pretrained, dtype=rollout.dtype, lora=lora
-        )
+        engine.options(
+            name=f"rfb-rollout-{run}-{i}", **options, **engine_placement(nodes, i)
+        ).remote(spec.model.pretrained, **kwargs)
         for i in range(rollout.replicas)
     ]
 

@@ -14,6 +14,7 @@ Next to ``train.grpo:`` (:class:`~ray_fsdp_backend.settings.policy.PolicyOptions
       bucket_bytes: 512MB        # weight sync bucket (ctx.stream_weights)
       sync: merged               # merged | adapters (model.lora: the adapters alone)
       transport: object_store    # object_store | collective (a gloo / NCCL group)
+      colocate: false            # true: engines and trainer share the devices in turn
     reward: my_rewards:exact     # module:function (or {function: ..., chunk: 64})
     data:
       format: prompts            # records with a prompt (text or chat messages)
@@ -74,6 +75,11 @@ class RolloutOptions:
     """How the buckets reach the engines: ``object_store`` (Ray's: any
     hardware, any node) or ``collective`` (a process group of the trainer's
     rank 0 and the engines: NCCL when both are on GPUs, gloo otherwise)."""
+    colocate: bool = False
+    """The engines share the trainer's devices in turn: every trainer rank
+    offloads its policy and optimizer (``ctx.offload``) for each rollout and
+    onloads them after it, the engines sleep between rollouts, and they run
+    on the trainer's nodes (``num_gpus`` below 1 shares a GPU; docs/rl.md)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,8 @@ def _rollout_problem(key: str, value: Any) -> str | None:
         return "is not one of float32, bfloat16"
     if key == "python" and value is not None and not (isinstance(value, str) and value):
         return "must be a path to a Python executable or null"
+    if key == "colocate" and not isinstance(value, bool):
+        return "must be true or false"
     if key == "bucket_bytes":
         try:
             parse_size(value, "rollout.bucket_bytes")
@@ -195,6 +203,13 @@ def rl_errors(built: Mapping[str, Any]) -> list[str]:
             "rollout.sync='adapters' with rollout.transport='collective': the adapters (a few "
             "MB) go through the object store (rollout.transport: object_store)"
         )
+    if rollout is not None and rollout.colocate and rollout.transport == "collective":
+        if rollout.num_gpus > 0:
+            errors.append(
+                "rollout.colocate=true with rollout.transport='collective' and rollout.num_gpus="
+                f"{rollout.num_gpus:g}: NCCL cannot join a trainer rank and an engine on one GPU "
+                "(CUDA IPC is not built); use rollout.transport: object_store"
+            )
     if train.grpo.normalisation == "fixed" and rollout is None:
         errors.append("train.grpo.normalisation='fixed' needs rollout.max_tokens")
     if rollout is not None and rollout.engine == "vllm" and rollout.python is not None:
