@@ -254,7 +254,10 @@ class VLLMRollout:
 
     def finish_sync(self, version: int) -> None:
         """Reload the model with the sync's weights (or, built with
-        ``lora``, load the sync's adapter); it now holds ``version``."""
+        ``lora``, load the sync's adapter); it now holds ``version``. The
+        prefix cache is dropped after a reload: its KV blocks were computed
+        with the old weights, and a prompt seen before would reuse them (an
+        adapter sync needs no reset: a new ``LoRARequest`` id hashes apart)."""
         import pickle
 
         if self._pending and self.lora is not None:
@@ -263,6 +266,8 @@ class VLLMRollout:
             self.llm.collective_rpc(_reload, args=(pickle.dumps(self._pending),))
         if self._received:
             self.llm.collective_rpc(_reload_received)
+        if (self._pending and self.lora is None) or self._received:
+            self.llm.reset_prefix_cache()
         self._pending, self._received = [], False
         self.version = version
 
