@@ -20,14 +20,23 @@ first), the stage holding a tensor gathers it within its own mesh, as
 without pipelining, and broadcasts it over the pipeline group to the other
 stages, which receive it into a tensor of the listed shape.
 
-Memory: a rank holds the bucket being filled, the tensor being added and
-what its gather needs for that one tensor (tests/dist/test_stream_memory.py
-measures it; docs/rl.md gives the numbers).
+Memory: a rank holds one bucket, the tensor being gathered counted in it
+(a bucket is sent before a tensor that would overflow it is gathered), plus
+that one gather's buffers (gloo's all-gather fills a buffer of the output's
+size, then copies it out). Measured (tests/dist/test_stream_memory.py, a
+36 MiB model, largest tensor 2 MiB, FSDP2 and FSDP2 x tp 2 on 2 gloo ranks):
+a 4 MiB bucket peaked at 5.0-6.3 MiB per rank, a 12 MiB one at 12.3-13.6 MiB.
+That needs the caller to drop each bucket before asking for the next
+(``del bucket`` at the end of the loop body): a ``for`` loop's variable
+keeps the last bucket alive while the next one fills (two buckets: 25 MiB
+at 12 MiB).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -66,22 +75,33 @@ def stream_weights(
     limit = parse_size(DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
     dtype = default_export_dtype(model, "hf", dtype)
     bucket, size = [], 0
-    for name, full in _full_tensors(export_state(model, unwrap(model)), dtype, pipeline_group):
-        if bucket and size + full.nbytes > limit:
+    for name, nbytes, gather in _gathers(export_state(model, unwrap(model)), dtype, pipeline_group):
+        if bucket and size + nbytes > limit:  # sent before the next tensor is gathered
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, full))
-        size += full.nbytes
+        bucket.append((name, gather()))
+        size += nbytes
     if bucket:
         yield bucket
 
 
-def _full_tensors(
+class _Peers(NamedTuple):
+    """The ranks a tensor is broadcast over, this rank's place among them,
+    and the device a received tensor is allocated on."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    device: torch.device
+
+
+def _gathers(
     state: dict[str, torch.Tensor], dtype: torch.dtype, group: dist.ProcessGroup | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor in the export's dtype)`` of every key the ranks
-    of ``group`` hold, one at a time; a key not every rank of ``group``
-    holds is broadcast from its first holder (the one the export writes)."""
+) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+    """``(name, bytes, gather)`` of every key the ranks of ``group`` hold,
+    in the export's order: ``gather()`` (collective, called once, in order)
+    returns the full tensor in the export's dtype; a key not every rank of
+    ``group`` holds is broadcast from its first holder (the one the export
+    writes). The bytes are known before the gather: the bucket is sent first."""
     device = next(t.device for t in state.values())
     state, groups = gather_holders(state, group)
     holders: dict[str, list[int]] = {}
@@ -89,16 +109,24 @@ def _full_tensors(
         for key in keys:
             holders.setdefault(key, []).extend(ranks)
     world = sum(len(ranks) for ranks, _ in groups)
-    me = dist.get_rank(group) if world > 1 else 0
+    peers = _Peers(group, dist.get_rank(group) if world > 1 else 0, device)
     for name in list(state):
         tensor = state.pop(name)  # the merged copy of a PEFT layer is dropped once sent
-        shape, kind = tensor.shape, export_dtype(tensor, dtype)
-        if not tensor.is_meta:
-            tensor = full_tensor(tensor.detach()).to(kind).contiguous()
-        source = holders[name][0]  # the export writes its first holder's
-        if len(holders[name]) < world:  # a pipeline stage's: theirs to the other stages
-            if me != source:
-                tensor = None  # a holder's own copy, dropped before the receive
-                tensor = torch.empty(shape, dtype=kind, device=device)
-            dist.broadcast(tensor, group_src=source, group=group)
-        yield name, tensor
+        kind = export_dtype(tensor, dtype)
+        source = holders[name][0] if len(holders[name]) < world else None
+        yield name, tensor.numel() * kind.itemsize, partial(_gather, tensor, kind, source, peers)
+
+
+def _gather(
+    tensor: torch.Tensor, kind: torch.dtype, source: int | None, peers: _Peers
+) -> torch.Tensor:
+    """``tensor`` whole in ``kind``: gathered within its mesh where this
+    rank holds it; with a ``source`` (a pipeline stage's tensor), broadcast
+    from that rank of ``peers`` to the other stages."""
+    full = None if tensor.is_meta else full_tensor(tensor.detach()).to(kind).contiguous()
+    if source is not None:
+        if peers.rank != source:
+            full = None  # a holder's own copy, dropped before the receive
+            full = torch.empty(tensor.shape, dtype=kind, device=peers.device)
+        dist.broadcast(full, group_src=source, group=peers.group)
+    return full
