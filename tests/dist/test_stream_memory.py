@@ -25,6 +25,7 @@ from ray_fsdp_backend.distributed.mesh import build_device_mesh, resolve_layout
 from ray_fsdp_backend.hf.stream import stream_weights
 from ray_fsdp_backend.planning.topology import topology_from_node_counts
 from tests.dist.harness import run_ranks
+from tests.hf_models import tiny_config
 
 pytest.importorskip("transformers")
 
@@ -44,19 +45,13 @@ Measured here: 5.0-6.3 MiB at a 4 MiB bucket, 12.3-13.6 MiB at 12 MiB, out of
 
 
 def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The tiny wide Llama (hidden 256, 4 heads), deeper, wider and with a
+    larger vocabulary: many buckets, its largest tensors the embedding and head."""
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=2048,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    config = tiny_config("llama_qlora")
+    config.num_hidden_layers, config.intermediate_size, config.vocab_size = 8, 1024, 2048
     return LlamaForCausalLM(config)
 
 
