@@ -26,16 +26,19 @@ Groups = list[tuple[tuple[int, ...], list[str]]]
 """``(ranks, keys)`` of each group, in rank order."""
 
 
-def gather_holders(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Groups]:
-    """Collective: ``state`` completed with meta tensors for the keys other
-    ranks hold (the first holder's order: stage 0's keys first), and the
-    groups of ranks holding the same keys."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def gather_holders(
+    state: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None
+) -> tuple[dict[str, torch.Tensor], Groups]:
+    """Collective over ``group`` (None: every rank): ``state`` completed with
+    meta tensors for the keys its other ranks hold (the first holder's
+    order: stage 0's keys first), and the groups of ranks (ranks in
+    ``group``) holding the same keys."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     mine = [(k, tuple(v.shape), v.dtype) for k, v in state.items()]
     if world == 1:
         return state, [((0,), list(state))]
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     by_keys: dict[tuple[str, ...], list[int]] = {}
     full: dict[str, torch.Tensor] = {}
     for rank, entries in enumerate(everyone):

@@ -98,6 +98,7 @@ def sync_weights(
         with agreed("sending a weight bucket to the rollout engines"):
             if fleet is not None:
                 fleet.transport.put(bucket)
+        del bucket  # else the loop variable keeps it alive while the next one fills
     with agreed("finishing the rollout engines' weight sync"):
         if fleet is not None:
             fleet.transport.finish()

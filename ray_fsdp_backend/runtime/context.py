@@ -17,6 +17,7 @@ from ray_fsdp_backend.compat.peft import peft_configs, refuse_tied_adapters
 from ray_fsdp_backend.context_parallel.apply import disable_hf_cache
 from ray_fsdp_backend.context_parallel.ring import ring_region
 from ray_fsdp_backend.context_parallel.sequence import count_valid_tokens, shard_sequence
+from ray_fsdp_backend.distributed.mesh import pipeline_group
 from ray_fsdp_backend.distributed.seeding import seed_step
 from ray_fsdp_backend.planning.topology import (
     CP_AXIS,
@@ -458,7 +459,9 @@ class TrainContext:
         model): the adapters alone, the tensors of ``export_model(...,
         format="peft")`` under PEFT's names, for an engine that keeps its
         base. Collective: every rank iterates to the end and receives every
-        bucket. See :func:`~ray_fsdp_backend.hf.stream.stream_weights` and
+        bucket, on every layout (a pipeline stage receives the other stages'
+        tensors over ``mesh["pp"]``; adapters: not under pp). See
+        :func:`~ray_fsdp_backend.hf.stream.stream_weights` and
         :func:`~ray_fsdp_backend.hf.adapter_stream.stream_adapters`."""
         if adapters:
             from ray_fsdp_backend.hf.adapter_stream import stream_adapters
@@ -466,7 +469,8 @@ class TrainContext:
             return stream_adapters(model, bucket_bytes=bucket_bytes, dtype=dtype)
         from ray_fsdp_backend.hf.stream import stream_weights
 
-        return stream_weights(model, bucket_bytes=bucket_bytes, dtype=dtype)
+        group = pipeline_group(self.mesh)
+        return stream_weights(model, bucket_bytes=bucket_bytes, dtype=dtype, pipeline_group=group)
 
     def offload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Free the device memory of ``model``'s parameters, gradients and

@@ -23,8 +23,7 @@ from ray_fsdp_backend.rl.fleet import RolloutFleet, sync_weights
 from ray_fsdp_backend.rl.rollout_hf import HFRollout
 from ray_fsdp_backend.runtime.worker import setup_process_context
 from tests.dist.harness import run_ranks
-from tests.dist.test_stream_weights import _exported
-from tests.hf_models import fine_tune, save_tiny_pretrained
+from tests.hf_models import fine_tune, read_safetensors, save_tiny_pretrained
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -92,7 +91,7 @@ def run(tmp_path_factory, ray_address):
 
 def test_streamed_adapters_are_the_peft_export_bit_for_bit(run):
     root, out = run
-    exported = _exported(str(root / "peft"))
+    exported = read_safetensors(str(root / "peft"))
     streamed = [pair for bucket in out["buckets"] for pair in bucket]
     assert [name for name, _ in streamed] == list(dict(streamed))  # no name twice
     assert dict(streamed).keys() == exported.keys()
@@ -106,8 +105,8 @@ def test_streamed_adapters_are_the_peft_export_bit_for_bit(run):
 
 def test_the_bytes_sent_are_the_adapters(run):
     root, out = run
-    adapters = sum(t.nbytes for t in _exported(str(root / "peft")).values())
-    merged = sum(t.nbytes for t in _exported(str(root / "hf")).values())
+    adapters = sum(t.nbytes for t in read_safetensors(str(root / "peft")).values())
+    merged = sum(t.nbytes for t in read_safetensors(str(root / "hf")).values())
     print(f"sync bytes: adapters {out['adapters_bytes']:,}, merged {out['merged_bytes']:,}")
     assert out["adapters_bytes"] == adapters
     assert out["merged_bytes"] == merged
