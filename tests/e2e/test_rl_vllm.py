@@ -4,7 +4,7 @@ them) its greedy tokens equal transformers' greedy decode of the synced
 model and its sampled tokens' log-probs are within fp32 rounding of
 transformers' ``log_softmax`` (the gap is printed).
 
-vLLM needs its own environment (``bash .ci/vllm_venv.sh DIR``, about 4 GB
+vLLM needs its own environment (``bash .ci/vllm_venv.sh DIR``, about 3.5 GB
 and 2 minutes to install), named by ``RFB_VLLM_PYTHON``; without it the
 module skips, unless ``RFB_REQUIRE_VLLM=1`` (``.ci/run`` sets both), which
 makes the missing environment a failure. Its engine takes about 90 s to
