@@ -62,8 +62,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # cloud preempts the suite's local clusters, and no test drains a node.
 # ``ray-fsdp train`` turns it off on a local cluster it starts
 # (``quiet_driver_console``); this turns it off for the in-process fits and
-# the commands that join the shared cluster too (3 fits on a loaded machine,
-# measured once: 100 CPU s of the cluster's processes without it, 105 with).
+# the commands that join the shared cluster too: one process less per group
+# start (its CPU is within a loaded machine's noise: 3 fits, the cluster's
+# processes took 100 / 105 CPU s without / with it, then 84 / 79).
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 #: Logical CPUs of the shared cluster: 4 Train workers plus one for Ray Data tasks.
