@@ -57,6 +57,15 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 # is waited for at the next one (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``,
 # 10 min, decides when a worker is dead), so no test depends on its value.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Ray Train starts a PreemptionWatcher actor at every worker-group start (one
+# more process importing Ray Train, polling every 5 s for a node's drain): no
+# cloud preempts the suite's local clusters, and no test drains a node.
+# ``ray-fsdp train`` turns it off on a local cluster it starts
+# (``quiet_driver_console``); this turns it off for the in-process fits and
+# the commands that join the shared cluster too: one process less per group
+# start (its CPU is within a loaded machine's noise: 3 fits, the cluster's
+# processes took 100 / 105 CPU s without / with it, then 84 / 79).
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 #: Logical CPUs of the shared cluster: 4 Train workers plus one for Ray Data tasks.
 RAY_CPUS = 5
@@ -111,14 +120,21 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """Items by layer (:data:`LAYER_ORDER`); a layer's modules, and each
-    module's tests, in the order collected."""
+    """Items by layer (:data:`LAYER_ORDER`); in a layer, the modules that use
+    the shared cluster (:data:`RAY_FIXTURES`) before those that do not, so
+    that each xdist worker starts its shared cluster once and stops it once
+    (in the order collected, the end-to-end layer switched back from a
+    module with a cluster of its own to a sharing one 5 times, and a worker
+    taking both restarted the shared cluster there); otherwise modules, and
+    each module's tests, in the order collected."""
+    sharing = {item.path for item in items if set(RAY_FIXTURES) & set(item.fixturenames)}
 
-    def layer(item) -> int:
+    def order(item) -> tuple[int, bool]:
         parts = item.nodeid.split("/")
-        return LAYER_ORDER.index(parts[1]) if parts[1:2] and parts[1] in LAYER_ORDER else 3
+        layer = LAYER_ORDER.index(parts[1]) if parts[1:2] and parts[1] in LAYER_ORDER else 3
+        return layer, item.path not in sharing
 
-    items.sort(key=layer)
+    items.sort(key=order)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -31,16 +31,15 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = "e2e-dpo"
 
-# Each pair's summed response log-probs under a model: transformers only.
+# Each pair's log-prob margin under each model (one process for both: one
+# torch and transformers import): transformers only.
 _MARGINS = """
 import json, sys
 sys.modules.setdefault("torchao", None)
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-path, pairs = sys.argv[1], json.loads(sys.argv[2])
-tokenizer = AutoTokenizer.from_pretrained(path)
-model = AutoModelForCausalLM.from_pretrained(path).eval()
+pairs = json.loads(sys.argv[1])
 
 def response_log_prob(prompt, response):
     start = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
@@ -51,10 +50,15 @@ def response_log_prob(prompt, response):
     log_probs = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
     return float(log_probs[start - 1:].sum())
 
-for pair in pairs:
-    chosen = response_log_prob(pair["prompt"], pair["chosen"])
-    rejected = response_log_prob(pair["prompt"], pair["rejected"])
-    print(json.dumps(chosen - rejected))
+for path in sys.argv[2:]:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    margins = []
+    for pair in pairs:
+        chosen = response_log_prob(pair["prompt"], pair["chosen"])
+        rejected = response_log_prob(pair["prompt"], pair["rejected"])
+        margins.append(chosen - rejected)
+    print(json.dumps(margins))
 """
 
 
@@ -83,11 +87,12 @@ def _s3_env(s3_server) -> dict[str, str]:
     return env
 
 
-def _margins(path, pairs) -> list[float]:
+def _margins(paths, pairs) -> list[list[float]]:
+    """Per model path, every pair's margin (chosen minus rejected)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     out = subprocess.run(  # without PYTHONPATH: transformers only, no code of ours
-        [sys.executable, "-c", _MARGINS, str(path), json.dumps(pairs)],
-        cwd=REPO.parent, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", _MARGINS, json.dumps(pairs), *map(str, paths)],
+        cwd=REPO.parent, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines()]
@@ -127,7 +132,7 @@ def test_dpo_yaml_from_s3_parquet_to_a_model_that_prefers_the_chosen(s3_server, 
     assert all(math.isfinite(m["eval_loss"]) and "eval/rewards/margins" in m for m in evals)
     assert "margin" in log and "acc" in log  # the progress line's rewards
 
-    trained, base = _margins(export, train), _margins(pretrained, train)
+    trained, base = _margins([export, pretrained], train)
     mean = sum(trained) / len(trained)
     rewards_right = sum(t - b > 0 for t, b in zip(trained, base, strict=True)) / len(train)
     print(f"margin {sum(base) / len(base):.3f} -> {mean:.3f}, reward accuracy {rewards_right}")

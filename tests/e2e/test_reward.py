@@ -1,7 +1,8 @@
 """A reward model end to end (docs/preference.md, "Reward models"):
-``ray-fsdp train examples/reward.yaml`` on 2 CPU workers, one Ray session
-(the command's): LoRA on a tiny Llama plus its fresh ``score`` head, trained
-on the example pairs (``python -m ray_fsdp_backend.preference.make_pairs --task tone``).
+``ray-fsdp train examples/reward.yaml`` on 2 CPU workers, joining the
+pytest worker's shared Ray cluster (``ray_address``, no cluster start of its
+own): LoRA on a tiny Llama plus its fresh ``score`` head, trained on the
+example pairs (``python -m ray_fsdp_backend.preference.make_pairs --task tone``).
 ``rewards/accuracies`` reaches 1 on the training pairs, the held-out
 ``eval/rewards/*`` are logged, and the merged export, loaded by
 ``transformers`` alone in a fresh process as
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import ray_env
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -44,14 +47,14 @@ with torch.no_grad():
 """
 
 
-def test_reward_yaml_trains_a_classifier_that_ranks_the_chosen_first(tmp_path):
+def test_reward_yaml_trains_a_classifier_that_ranks_the_chosen_first(tmp_path, ray_address):
     from ray_fsdp_backend.models.tiny_pretrained import save_tiny_pretrained
     from ray_fsdp_backend.preference.make_pairs import make_pairs, write_pairs
 
     pretrained = save_tiny_pretrained("llama", tmp_path / "pretrained", chat=True)
     pairs = write_pairs(str(tmp_path / "pairs.jsonl"), make_pairs(64, format="text", task="tone"))
     export = tmp_path / "export"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = ray_env(ray_address)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [
