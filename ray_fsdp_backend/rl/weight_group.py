@@ -82,7 +82,7 @@ class WeightGroup:
         """Where this member's tensors travel from or to."""
         if self.address.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return torch.device("cpu")  # host: gloo moves host tensors
 
     def join(self, rank: int, node_ip: str) -> WeightGroup:
         """Form the group as ``rank`` (0: the trainer's, on the store it
