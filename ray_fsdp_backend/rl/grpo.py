@@ -13,7 +13,8 @@ them, and hands this module the prompts, samples and rewards:
    head: never the ``[tokens, vocab]`` logits) once without gradient for the
    old policy's log-probs and entropies (the trainer/rollout gap and the
    policy's entropy at the sampling temperature are measured there) and
-   the reference's (LoRA adapters disabled, when there is a KL term), then
+   the reference's (when there is a KL term: ``reference``, a frozen copy
+   of the base, or else the LoRA model with its adapters disabled), then
    one optimizer step per ``updates`` of :func:`~.losses.policy_loss` over
    the micro-batches, divided by the step's global count
    (``ctx.global_count``), so the gradient is the mean the normalisation
@@ -119,9 +120,9 @@ def reference_of(model: nn.Module):
     inner = unwrap(model)
     if not is_peft_model(inner):
         raise ValueError(
-            "a KL term needs the reference policy: with model.lora it is the base with the "
-            "adapters disabled; a full fine-tune's frozen reference copy is not supported "
-            "for RL yet (set kl_coef: 0)"
+            "a KL term needs the reference policy: with LoRA it is the base with the "
+            "adapters disabled; a full fine-tune passes a frozen copy (policy_update's "
+            "reference=)"
         )
     with inner.disable_adapter():
         yield
@@ -139,10 +140,14 @@ def policy_update(
     max_tokens: int | None = None,
     max_grad_norm: float | None = 1.0,
     chunk_tokens: int | None = None,
+    reference: nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
     """``options.updates`` optimizer steps of the policy loss on this rank's
     ``rows`` (:func:`dp_share` of :func:`rollout_rows`), in micro-batches of
     ``micro_batch_size``. Collective: every rank calls it with as many rows.
+    The KL term's reference (``options.kl_coef``) is ``reference``, a frozen
+    model wrapped like ``model`` (a full fine-tune's base), or, None, the
+    LoRA ``model`` with its adapters disabled (:func:`reference_of`).
     Returns 0-d device tensors (nothing read on the host): ``loss`` (this
     rank's share of the last update's loss), ``grad_norm``, ``skipped`` (1.0:
     the last update's norm was not finite, its step skipped), ``clip_fraction``,
@@ -156,16 +161,18 @@ def policy_update(
         for i in range(0, len(rows["input_ids"]), micro_batch_size)
     ]
 
-    def log_probs(batch, entropy: bool = False):
+    def log_probs(batch, of: nn.Module = model, entropy: bool = False):
         return ctx.sequence_log_probs(
-            model, batch, temperature=temperature, chunk_tokens=chunk_tokens, entropy=entropy
+            of, batch, temperature=temperature, chunk_tokens=chunk_tokens, entropy=entropy
         )
 
     with torch.no_grad():
         for batch in micro:
             batch["mask"] = batch["targets"] != IGNORE_INDEX
             batch["old_log_probs"], batch["entropy"] = log_probs(batch, entropy=True)
-            if options.kl_coef:
+            if options.kl_coef and reference is not None:
+                batch["ref_log_probs"] = log_probs(batch, reference)
+            elif options.kl_coef:
                 with reference_of(model):
                     batch["ref_log_probs"] = log_probs(batch)
     gap = sum(

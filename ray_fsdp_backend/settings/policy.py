@@ -36,8 +36,9 @@ class PolicyOptions:
     clip_high: float | None = None
     """DAPO's clip-higher (None: ``clip_low``)."""
     kl_coef: float = 0.0
-    """Weight of the KL to the reference in the loss (needs ``model.lora``:
-    the reference is the base with the adapters disabled)."""
+    """Weight of the KL to the reference in the loss: the base, as the LoRA
+    model with its adapters disabled, or in a full fine-tune a frozen copy
+    of the base sharded like the policy (its memory again)."""
     kl_estimator: str = "k3"
     """``k1`` | ``k2`` | ``k3`` (Schulman's estimators; TRL's is k3)."""
     kl_bias_correction: bool = False

@@ -62,7 +62,6 @@ def test_the_example_passes(setup):
         ({"reward": None}, "train.objective='grpo' needs reward: module:function"),
         ({"data": {"format": "chat"}}, "train.objective='grpo' needs data.format='prompts'"),
         ({"distributed": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size=2: not supported"),
-        ({"model": {"lora": None}}, "train.grpo.kl_coef=0.02 needs model.lora"),
         ({"rollout": {"sync": "lora"}}, "rollout.sync='lora' is not one of merged, adapters"),
         (
             {

@@ -3,7 +3,7 @@
 Each step of the GRPO loop (:mod:`.grpo`) has a rollout phase (generation
 and reward) and a training phase (log-probs, the update, the weight sync).
 Colocated, :meth:`Colocation.rollout_phase` wraps the first: every trainer
-rank offloads its policy and optimizer (``ctx.offload``: parameters,
+rank offloads its policy, optimizer and any frozen reference (``ctx.offload``: parameters,
 gradients, buffers and optimizer state to host memory, bit-exact) and the
 ranks agree on it before rank 0 wakes the engines; after the rollout rank 0
 puts the engines to sleep and every rank onloads. Before each weight sync
@@ -35,8 +35,10 @@ class Colocation:
     (every call a no-op when ``enabled`` is False); ``offload_s`` and
     ``onload_s`` are this rank's seconds of the last rollout phase."""
 
-    def __init__(self, ctx, model, optimizer, *, enabled: bool) -> None:
+    def __init__(self, ctx, model, optimizer, reference=None, *, enabled: bool) -> None:
         self.ctx, self.model, self.optimizer, self.enabled = ctx, model, optimizer, enabled
+        self.reference = reference
+        """A frozen KL reference, offloaded with the policy (None: none)."""
         self.offload_s = self.onload_s = 0.0
 
     @contextlib.contextmanager
@@ -50,12 +52,16 @@ class Colocation:
         start = time.perf_counter()
         with agreed("offloading the policy for the rollout"):
             self.ctx.offload(self.model, self.optimizer)
+            if self.reference is not None:
+                self.ctx.offload(self.reference)
         self.offload_s = time.perf_counter() - start
         _call_engines(fleet, "wake_up", None)
         yield
         _call_engines(fleet, "sleep")
         start = time.perf_counter()
         self.ctx.onload(self.model, self.optimizer)
+        if self.reference is not None:
+            self.ctx.onload(self.reference)
         self.onload_s = time.perf_counter() - start
 
     def wake_weights(self, fleet) -> None:

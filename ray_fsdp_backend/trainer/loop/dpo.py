@@ -25,7 +25,6 @@ The reference (``train.dpo.reference``):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -42,6 +41,7 @@ from ray_fsdp_backend.trainer.loop.objectives import (
     local_value,
     pair_indices,
 )
+from ray_fsdp_backend.trainer.loop.pretrained import build_frozen_base
 from ray_fsdp_backend.trainer.schema.preference import Reference
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
 
@@ -83,7 +83,8 @@ class DPOObjective(Objective):
         self.reference = self.options.resolve_reference(
             getattr(spec.model, "lora", None) is not None
         )
-        self.frozen = build_frozen(ctx, spec) if self.reference is Reference.FROZEN else None
+        frozen = self.reference is Reference.FROZEN
+        self.frozen = build_frozen_base(ctx, spec.model) if frozen else None
         self.device = ctx.device
         self.stores: dict[str, PairStore] = {}
         """``precompute``: the reference's sums of the ``train`` and ``eval`` rows."""
@@ -254,16 +255,6 @@ def empty(batches: list[dict], ctx) -> dict:
         raise ValueError("precompute: a rank has no training rows at all")
     none = {k: v[:0] for k, v in like.items()}
     return pad_rows(none, len(like["input_ids"]))
-
-
-def build_frozen(ctx, spec: RunSpec) -> nn.Module:
-    """``reference: frozen``: the base (no adapters) built, sharded and loaded
-    like the policy, in eval mode, never stepped."""
-    from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
-
-    model = build_pretrained(ctx, dataclasses.replace(spec.model, lora=None))
-    model.requires_grad_(False)
-    return model.eval()
 
 
 @contextlib.contextmanager

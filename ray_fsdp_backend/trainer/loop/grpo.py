@@ -13,7 +13,8 @@ Each step, in order (docs/rl.md):
    GRPO's group-normalised advantages) and keeps its data-parallel share.
 4. **Policy update**: :func:`~ray_fsdp_backend.rl.grpo.policy_update`
    (``train.grpo.updates`` optimizer steps of the clipped loss, the KL to
-   the adapters-disabled base with ``kl_coef``).
+   the base with ``kl_coef``: the LoRA model with its adapters disabled, or
+   a frozen copy of the base in a full fine-tune).
 5. **Weight sync**: :func:`~ray_fsdp_backend.rl.fleet.sync_weights` streams
    the new weights (HF names, buckets of ``rollout.bucket_bytes``; the LoRA
    adapters alone with ``rollout.sync: adapters``) to every engine through
@@ -47,7 +48,7 @@ from ray_fsdp_backend.rl.grpo import dp_share, policy_update, rollout_rows
 from ray_fsdp_backend.trainer.loop.checkpoints import CheckpointHooks
 from ray_fsdp_backend.trainer.loop.colocation import Colocation, engine_placement, trainer_nodes
 from ray_fsdp_backend.trainer.loop.optim import build_optimizer, lr_factor
-from ray_fsdp_backend.trainer.loop.pretrained import build_pretrained
+from ray_fsdp_backend.trainer.loop.pretrained import build_frozen_base, build_pretrained
 from ray_fsdp_backend.trainer.schema.rl import prompt_options
 from ray_fsdp_backend.trainer.schema.spec import RunSpec
 
@@ -95,12 +96,15 @@ def run_grpo(
     opts, rollout = spec.train, spec.rollout
     torch.manual_seed(opts.seed)
     model = build_pretrained(ctx, spec.model)
+    # The KL's reference: the LoRA model with its adapters off, else a frozen copy.
+    full_kl = opts.grpo.kl_coef and spec.model.lora is None
+    reference = build_frozen_base(ctx, spec.model) if full_kl else None
     optimizer = build_optimizer(model, spec)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opts))
     checkpoints = CheckpointHooks(
         ctx, every=opts.checkpoint_every, async_save=opts.checkpoint_async, report=report
     )
-    colocation = Colocation(ctx, model, optimizer, enabled=rollout.colocate)
+    colocation = Colocation(ctx, model, optimizer, reference, enabled=rollout.colocate)
     nodes = trainer_nodes() if rollout.colocate else None
     side = _RankZero(spec, nodes) if ctx.world_rank == 0 else None
     count = broadcast_from_rank0(lambda: len(side.prompts))
@@ -134,7 +138,7 @@ def run_grpo(
             ctx, model, optimizer, rows, opts.grpo,
             micro_batch_size=opts.micro_batch_size, temperature=rollout.temperature,
             max_tokens=rollout.max_tokens, max_grad_norm=opts.max_grad_norm or None,
-            chunk_tokens=opts.loss_chunk_tokens,
+            chunk_tokens=opts.loss_chunk_tokens, reference=reference,
         )  # fmt: skip
         schedule.step()
         sync = _sync(ctx, model, side, spec.rollout, colocation)

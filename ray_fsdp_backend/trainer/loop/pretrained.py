@@ -4,6 +4,7 @@ The section itself is :mod:`ray_fsdp_backend.trainer.schema.pretrained`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from ray_fsdp_backend.trainer.schema.pretrained import BASE_DTYPES, PretrainedModelConfig
@@ -40,3 +41,12 @@ def build_pretrained(ctx, cfg: PretrainedModelConfig, *, reward: bool = False) -
     quantize = cfg.lora.base_quantization if cfg.lora is not None else None
     ctx.load_pretrained(model, cfg.pretrained, quantize=quantize)
     return model
+
+
+def build_frozen_base(ctx, cfg: PretrainedModelConfig) -> nn.Module:
+    """A reference policy: the base (no adapters) built, sharded and loaded
+    like the policy, in eval mode, never stepped (DPO's ``reference:
+    frozen``; GRPO's KL reference in a full fine-tune)."""
+    model = build_pretrained(ctx, dataclasses.replace(cfg, lora=None))
+    model.requires_grad_(False)
+    return model.eval()

@@ -188,11 +188,6 @@ def rl_errors(built: Mapping[str, Any]) -> list[str]:
                     "sequences per rank"
                 )
     lora = getattr(model, "lora", None) is not None
-    if train.grpo.kl_coef and not lora:
-        errors.append(
-            f"train.grpo.kl_coef={train.grpo.kl_coef} needs model.lora: the KL's reference is "
-            "the base with the adapters disabled (a frozen full copy is not built for RL)"
-        )
     if rollout is not None and rollout.sync == "adapters" and model is not None and not lora:
         errors.append(
             "rollout.sync='adapters' needs model.lora: without LoRA adapters there is only "
