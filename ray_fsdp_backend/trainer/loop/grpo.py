@@ -292,6 +292,8 @@ def start_engines(spec: RunSpec, nodes: list[str] | None = None) -> list:
     kwargs = {"dtype": rollout.dtype}
     if rollout.sync == "adapters":
         kwargs["lora"] = spec.model.lora.peft_kwargs()
+    if rollout.engine == "hf" and rollout.num_gpus > 0:
+        kwargs["device"] = "cuda"  # Ray set the actor's CUDA_VISIBLE_DEVICES
     if rollout.engine == "vllm" and rollout.colocate and rollout.num_gpus > 0:
         kwargs["sleep_mode"] = True  # vLLM's sleep mode exists on GPUs only
     return [
