@@ -192,7 +192,7 @@ def _peft_failures(rank, world, src, base):
             export(f"{base}/shared/peft-write"),
         ),
         "peft gather fails on rank 1": _with(
-            _patched(peft_export, "_full_tensor", _failing_on(rank, 1, 2, oom)),
+            _patched(peft_export, "full_tensor", _failing_on(rank, 1, 2, oom)),
             export(f"{base}/shared/peft-gather"),
         ),
         "peft export": _attempt(export(f"{base}/shared/peft")),

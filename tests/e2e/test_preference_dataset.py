@@ -27,10 +27,17 @@ SEQ = 256
 
 @pytest.fixture(scope="module")
 def ray_session(s3_server, ray_local):
+    """Ray Data as the trainer reads preference data: blocks in order
+    (``ingest_options(preserve_order=True)`` in ``ray-fsdp train``), so
+    the packed rows do not depend on which read finished first."""
     import ray.data
 
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    return ray_local
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    preserve = context.execution_options.preserve_order
+    context.execution_options.preserve_order = True
+    yield ray_local
+    context.execution_options.preserve_order = preserve
 
 
 def _pairs(n: int) -> list[dict]:
