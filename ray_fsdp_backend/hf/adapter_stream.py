@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from ray_fsdp_backend.hf.peft_export import adapter_configs, gathered_adapters
-from ray_fsdp_backend.hf.stream import DEFAULT_BUCKET_BYTES
-from ray_fsdp_backend.settings.checks import parse_size
+from ray_fsdp_backend.hf.stream import buckets
 
 
 def stream_adapters(
@@ -52,13 +51,6 @@ def stream_adapters(
             "stream_weights(adapters=True): a pipeline stage holds only its own layers' "
             "adapters under pipeline_parallel_size > 1; use export_model format='peft'"
         )
-    limit = parse_size(DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
-    bucket, size = [], 0
-    for _, name, full in gathered_adapters(model, "streaming the adapters", dtype):
-        if bucket and size + full.nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full.contiguous()))
-        size += full.nbytes
-    if bucket:
-        yield bucket
+    adapters = gathered_adapters(model, "streaming the adapters", dtype)
+    entries = ((name, full.nbytes, full.contiguous) for _, name, full in adapters)
+    yield from buckets(entries, bucket_bytes)

@@ -34,7 +34,7 @@ at 12 MiB).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import NamedTuple
 
@@ -72,14 +72,28 @@ def stream_weights(
     Raises:
         ValueError: a bad ``bucket_bytes``.
     """
-    limit = parse_size(DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
     dtype = default_export_dtype(model, "hf", dtype)
+    state = export_state(model, unwrap(model))
+    yield from buckets(_gathers(state, dtype, pipeline_group), bucket_bytes)
+
+
+def buckets(
+    entries: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucket_bytes: int | str | None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``[(name, tensor), ...]`` lists of at most ``bucket_bytes`` (None:
+    :data:`DEFAULT_BUCKET_BYTES`; a tensor larger than that alone) from
+    ``(name, bytes, make)`` entries: a bucket is yielded before the entry
+    that would overflow it is made (gathered), so a rank never holds more.
+
+    Raises:
+        ValueError: a bad ``bucket_bytes``."""
+    limit = parse_size(DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
     bucket, size = [], 0
-    for name, nbytes, gather in _gathers(export_state(model, unwrap(model)), dtype, pipeline_group):
-        if bucket and size + nbytes > limit:  # sent before the next tensor is gathered
+    for name, nbytes, make in entries:
+        if bucket and size + nbytes > limit:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, gather()))
+        bucket.append((name, make()))
         size += nbytes
     if bucket:
         yield bucket
